@@ -1,0 +1,50 @@
+"""The error tree: every failure a user can cause is a `NextokenError` naming the bad value.
+
+The CLI turns these into one line on stderr and exit code 2; the server maps them to HTTP status codes
+(`http_status`). Anything else escaping is a bug in nextoken, not a user error.
+"""
+
+from __future__ import annotations
+
+
+class NextokenError(Exception):
+    """Base of every error nextoken raises on purpose."""
+
+    http_status: int = 400
+
+
+class ModelLoadError(NextokenError):
+    """A model file that cannot be read: names the file and what is wrong with it."""
+
+    def __init__(self, path: object, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        super().__init__(f"cannot load model file {self.path}: {reason}")
+
+
+class UnknownModel(NextokenError):
+    """A model name that is neither registered nor a path to a .gguf file."""
+
+    http_status = 404
+
+
+class ModelNotInstalled(NextokenError):
+    """A registered model whose package is missing; the message names the command that installs it."""
+
+    http_status = 404
+
+
+class TokenizerError(NextokenError):
+    """Tokenizer metadata that cannot build a tokenizer, or ids outside the vocabulary."""
+
+
+class TemplateError(NextokenError):
+    """A chat template that fails to render: a syntax error, `raise_exception`, a sandbox or limit violation."""
+
+
+class PromptTooLong(NextokenError):
+    """A prompt (plus the tokens asked for) that does not fit the model's context."""
+
+
+class InvalidSamplingParams(NextokenError):
+    """A sampling parameter outside its valid range; names the parameter."""
