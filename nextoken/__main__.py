@@ -1,0 +1,5 @@
+"""python -m nextoken -> the CLI."""
+
+from nextoken.cli import main
+
+raise SystemExit(main())

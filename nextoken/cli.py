@@ -1,0 +1,270 @@
+"""The command line: run | chat | models | tokenize | detokenize.
+
+Every user error (a NextokenError) prints one line on stderr and exits with code 2; nothing else is caught, so a
+traceback always means a bug in nextoken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from nextoken.errors import NextokenError
+from nextoken.loader.registry import DEFAULT_MODEL
+
+EXIT_USAGE = 2
+
+
+def _read_text(arg: str | None, what: str) -> str:
+    if arg is not None:
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        raise NextokenError(f"no {what} given: pass it as an argument or on standard input")
+    return sys.stdin.read()
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"a model name (see `nextoken models`) or a path to a .gguf file (default: {DEFAULT_MODEL})")
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    _add_model(p)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def _sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
+    from nextoken.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed, stop=tuple(args.stop), **extra)
+
+
+def _load_text_side(model: str) -> tuple[Any, Any, Any]:
+    """The tokenizer and chat template of a model without loading its weights."""
+    from nextoken.loader.gguf import read_gguf
+    from nextoken.loader.registry import resolve_model
+    from nextoken.models.config import ModelConfig
+    from nextoken.tokenizer.chat import ChatTemplate
+    from nextoken.tokenizer.tokenizer import Tokenizer
+
+    path = resolve_model(model)
+    gguf = read_gguf(path)
+    config = ModelConfig.from_gguf(gguf)
+    tok = Tokenizer.from_gguf(gguf.metadata, source=str(path))
+    text = (lambda i: "" if i is None else tok.id_to_piece(i))
+    template = ChatTemplate.for_model(config.chat_template, architecture=config.architecture,
+                                      bos_token=text(config.bos_id), eos_token=text(config.eos_id))
+    return config, tok, template
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from nextoken.loader.gguf import read_gguf
+    from nextoken.loader.registry import REGISTRY, is_installed, resolve_model
+    from nextoken.models.config import ModelConfig
+
+    rows = []
+    for name, entry in REGISTRY.items():
+        row: dict[str, Any] = {"name": name, "installed": is_installed(entry), "file": entry.filename,
+                               "size_bytes": None, "architecture": None, "quantization": None, "parameters": None,
+                               "install": entry.install}
+        if row["installed"]:
+            path = resolve_model(name)
+            config = ModelConfig.from_gguf(read_gguf(path))
+            row.update(file=str(path), size_bytes=path.stat().st_size, architecture=config.architecture,
+                       quantization=config.quantization, parameters=config.num_parameters)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="nextoken models")
+    for col in ("name", "installed", "architecture", "quantization", "parameters", "size", "file"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"], "yes" if r["installed"] else f"no: {r['install']}", r["architecture"] or "-",
+                      r["quantization"] or "-", f"{r['parameters'] / 1e6:.1f} M" if r["parameters"] else "-",
+                      f"{r['size_bytes'] / 2**20:.1f} MiB" if r["size_bytes"] else "-", r["file"])
+    Console().print(table)
+    return 0
+
+
+def cmd_tokenize(args: argparse.Namespace) -> int:
+    _, tok, template = _load_text_side(args.model)
+    text = _read_text(args.text, "text")
+    if args.chat:
+        text, spans = template.render_with_spans([{"role": "user", "content": text}])
+        ids = tok.encode(text, add_special_tokens=False, plain_spans=spans)
+    else:
+        ids = tok.encode(text)
+    pieces = [tok.display_piece(i) for i in ids]
+    if args.json:
+        print(json.dumps({"model": args.model, "ids": ids, "pieces": pieces}, ensure_ascii=False))
+        return 0
+    for i, piece in zip(ids, pieces):
+        print(f"{i:>8}  {piece!r}")
+    print(f"{len(ids)} tokens, {len(text)} characters ({len(text) / max(len(ids), 1):.2f} characters per token)")
+    return 0
+
+
+def cmd_detokenize(args: argparse.Namespace) -> int:
+    _, tok, _ = _load_text_side(args.model)
+    ids = []
+    for raw in args.ids:
+        try:
+            ids.append(int(raw))
+        except ValueError:
+            raise NextokenError(f"token id {raw!r} is not an integer") from None
+    print(tok.decode(ids))
+    return 0
+
+
+def _prompt_ids(llm: Any, args: argparse.Namespace, prompt: str) -> list[int]:
+    if args.raw:
+        return llm.tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+        [{"role": "user", "content": prompt}]
+    return llm.render_chat(messages)[1]
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from nextoken.llm import LLM, request_timings
+
+    prompt = _read_text(args.prompt, "prompt")
+    params = _sampling_params(args, prompt_logprobs=args.prompt_logprobs)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    ids = _prompt_ids(llm, args, prompt)
+    text, token_ids, last = [], [], None
+    for out in llm.stream(ids, params):
+        if not args.json:
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+        text.append(out.new_text)
+        token_ids.extend(out.new_token_ids)
+        last = out
+    assert last is not None and last.request is not None
+    req = last.request
+    if args.json:
+        result: dict[str, Any] = {
+            "model": args.model, "prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(text),
+            "finish_reason": req.finish_reason,
+            "usage": {"prompt_tokens": len(ids), "completion_tokens": len(token_ids),
+                      "total_tokens": len(ids) + len(token_ids)},
+            "timings": request_timings(req),
+        }
+        if args.prompt_logprobs is not None:
+            result["prompt_logprobs"] = [[[i, lp] for i, lp in row] for row in req.prompt_logprobs]
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print()
+        if args.verbose:
+            t = request_timings(req)
+            print(f"[{len(ids)} prompt tokens, {len(token_ids)} generated, finish: {req.finish_reason}, "
+                  f"TTFT {t['time_to_first_token_s'] or 0:.3f} s, decode {t['decode_tokens_per_s'] or 0:.1f} tok/s]",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from nextoken.llm import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    params = _sampling_params(args)
+    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            return 0
+        if not line.strip():
+            continue
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        messages.append({"role": "user", "content": line})
+        _, ids = llm.render_chat(messages)
+        reply = []
+        for out in llm.stream(ids, params):
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            reply.append(out.new_text)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, not a usage dump
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="nextoken", description="An LLM inference engine that shows its work.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("run", help="answer one prompt, streaming the text")
+    p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
+    _add_engine(p)
+    _add_sampling(p)
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="a system message for the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="with --json: the top-K next-token log-probabilities at every prompt position")
+    p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)")
+    _add_engine(p)
+    _add_sampling(p)
+    p.add_argument("--system", default=None)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("models", help="list the known models and whether they are installed")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("tokenize", help="text -> token pieces and ids")
+    p.add_argument("text", nargs="?")
+    _add_model(p)
+    p.add_argument("--chat", action="store_true", help="render TEXT as one user turn through the chat template")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_tokenize)
+
+    p = sub.add_parser("detokenize", help="token ids -> text")
+    p.add_argument("ids", nargs="+")
+    _add_model(p)
+    p.set_defaults(func=cmd_detokenize)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except NextokenError as e:
+        print(f"nextoken: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 0

@@ -1,0 +1,64 @@
+"""Process-wide settings: every default and environment variable nextoken reads lives here.
+
+Engine configuration dataclasses are frozen and validated once, at the edge.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where assembled model files and built tokenizers are kept ($NEXTOKEN_CACHE_DIR, default ~/.cache/nextoken)."""
+    return Path(os.environ.get("NEXTOKEN_CACHE_DIR") or Path.home() / ".cache" / "nextoken")
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what can be allocated without swapping), else total physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model. Validated on construction; every field is a user-facing setting."""
+
+    model: str = "smollm2-135m-instruct"
+    dtype: str = "auto"  # "float32" | "bfloat16" | "auto" (fp32 on CPU, bf16 on CUDA)
+    device: str = "auto"  # "cpu" | "cuda" | "auto" (CUDA when present)
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # the KV pool's size; None: kv_cache_fraction of available memory
+    kv_cache_fraction: float = 0.1
+    max_model_len: int | None = None  # None: the model's context length
+    max_num_seqs: int = 128  # requests running at once
+    max_num_batched_tokens: int = 2048  # tokens one step may process
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    max_waiting: int = 1024  # queued requests beyond which add_request refuses
+
+    def __post_init__(self) -> None:
+        from nextoken.errors import NextokenError
+
+        def need(ok: bool, what: str) -> None:
+            if not ok:
+                raise NextokenError(f"invalid engine setting: {what}")
+
+        need(self.dtype in ("auto", "float32", "bfloat16"), f"dtype={self.dtype!r} (auto, float32 or bfloat16)")
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"device={self.device!r} (auto, cpu or cuda)")
+        need(self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size} (8, 16, 32, 64 or 128)")
+        need(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, f"kv_cache_bytes={self.kv_cache_bytes}")
+        need(0 < self.kv_cache_fraction <= 0.9, f"kv_cache_fraction={self.kv_cache_fraction} (in (0, 0.9])")
+        need(self.max_model_len is None or self.max_model_len > 0, f"max_model_len={self.max_model_len}")
+        need(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs}")
+        need(self.max_num_batched_tokens >= self.block_size,
+             f"max_num_batched_tokens={self.max_num_batched_tokens} (at least one block)")
+        need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")

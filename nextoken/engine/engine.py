@@ -1,0 +1,188 @@
+"""LLMEngine: add_request / step / abort, in one process. Each step schedules, runs the model once, samples, and
+reports every request that advanced as a RequestOutput (new token ids and UTF-8-safe text since the last report).
+
+Requests are validated when added (empty prompts, ids outside the vocabulary, prompt + max_tokens beyond the
+context, a request larger than the whole KV pool, a full queue), so nothing that is queued can get stuck. A request
+that finishes or is aborted gives its KV blocks back in the same call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nextoken.cache.block_manager import BlockManager
+from nextoken.config import EngineConfig
+from nextoken.engine.output import TextStream
+from nextoken.engine.request import Request, RequestOutput, RequestStatus
+from nextoken.engine.runner import ModelRunner
+from nextoken.engine.sampler import Sampler, SamplingRow
+from nextoken.engine.scheduler import Scheduler
+from nextoken.errors import NextokenError, PromptTooLong
+from nextoken.loader.gguf import read_gguf
+from nextoken.loader.registry import model_name_for, resolve_model
+from nextoken.models.config import ModelConfig
+from nextoken.sampling_params import SamplingParams
+from nextoken.tokenizer.chat import ChatTemplate
+from nextoken.tokenizer.tokenizer import Tokenizer
+
+
+class EngineBusy(NextokenError):
+    """The waiting queue is full; try again later."""
+
+    http_status = 503
+
+
+@dataclass
+class _Live:
+    request: Request
+    text: TextStream
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model)
+        self.model_name = model_name_for(self.model_path) if config.model != str(self.model_path) \
+            else self.model_path.stem
+        gguf = read_gguf(self.model_path)
+        self.model_config = ModelConfig.from_gguf(gguf)
+        self.tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(self.model_path))
+        self.chat_template = ChatTemplate.for_model(
+            self.model_config.chat_template, architecture=self.model_config.architecture,
+            bos_token=self._token_text(self.model_config.bos_id),
+            eos_token=self._token_text(self.model_config.eos_id))
+        self.max_model_len = min(config.max_model_len or self.model_config.context_length,
+                                 self.model_config.context_length)
+        self.runner = ModelRunner(gguf, self.model_config, config, self.max_model_len)
+        self.block_manager = BlockManager(self.runner.kv_pool.num_blocks, config.block_size,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill)
+        self.sampler = Sampler()
+        self.eog_ids = frozenset(self.model_config.eog_ids)
+        self._live: dict[str, _Live] = {}
+        self._ids = itertools.count()
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self.tokenizer.id_to_piece(token_id)
+
+    # --- requests --------------------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self._live:
+            raise NextokenError(f"request id {request_id!r} is already in use")
+        if not prompt_ids:
+            raise NextokenError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise NextokenError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+        num_prompt = len(prompt_ids)
+        if num_prompt >= self.max_model_len:
+            raise PromptTooLong(f"the prompt has {num_prompt} tokens but the context holds {self.max_model_len}")
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise PromptTooLong(f"the prompt has {num_prompt} tokens and max_tokens is {params.max_tokens}: "
+                                f"{num_prompt + params.max_tokens} exceeds the context length {self.max_model_len}")
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        if num_prompt + params.max_tokens > pool_tokens:
+            raise PromptTooLong(f"the request needs {num_prompt + params.max_tokens} tokens of KV cache but the "
+                                f"whole pool holds {pool_tokens}")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise EngineBusy(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        req = Request(request_id, prompt_ids, params, self.eog_ids)
+        stream = TextStream(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                            params.include_stop_str_in_output)
+        self._live[request_id] = _Live(req, stream)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        self.scheduler.finish(live.request, "abort")
+        return True
+
+    def get_request(self, request_id: str) -> Request | None:
+        live = self._live.get(request_id)
+        return live.request if live else None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # --- the loop --------------------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch, logits = self.runner.execute(scheduled)
+        sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
+        result = None
+        if sampling:
+            rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
+                                scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)
+                    for i, _ in sampling]
+            result = self.sampler(logits[[r for _, r in sampling]], rows)
+        token_for = {i: k for k, (i, _) in enumerate(sampling)}
+        now = time.perf_counter()
+        outputs: list[RequestOutput] = []
+        for i, item in enumerate(scheduled):
+            req = item.request
+            self.scheduler.advance(item)
+            live = self._live.get(req.request_id)
+            if live is None:
+                continue
+            span = batch.prompt_logprob_rows[i]
+            if span is not None:
+                row, count, first_pos = span
+                # After a preemption the prompt is recomputed: keep only positions not reported yet.
+                skip = max(0, len(req.prompt_logprobs) - first_pos)
+                req.prompt_logprobs.extend(_top_logprobs(logits[row + skip:row + count],
+                                                         req.params.prompt_logprobs or 0))
+            if i not in token_for or result is None:
+                continue
+            k = token_for[i]
+            outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
+        return outputs
+
+    def _accept(self, live: _Live, token_id: int, logprob: tuple | None, now: float) -> RequestOutput:
+        req = live.request
+        req.append_token(token_id)
+        if req.timings.first_token is None:
+            req.timings.first_token = now
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        stop: tuple[str, int | str | None] | None = None
+        if token_id in req.stop_ids:
+            stop = ("stop", token_id)
+            delta = live.text.finish()
+        else:
+            delta, stop_str = live.text.add(token_id)
+            if stop_str is not None:
+                stop = ("stop", stop_str)
+            elif len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+                stop = ("length", None)
+                delta += live.text.finish()
+        if stop is not None:
+            self.scheduler.finish(req, *stop)
+            del self._live[req.request_id]
+        return RequestOutput(
+            request_id=req.request_id, new_token_ids=[token_id], new_text=delta,
+            finished=req.status is RequestStatus.FINISHED, finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_ids),
+            new_logprobs=[logprob] if logprob is not None else [], request=req)
+
+
+def _top_logprobs(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+    if logits.shape[0] == 0:
+        return []
+    top = logits.log_softmax(dim=-1).topk(max(k, 1), dim=-1)
+    ids, vals = top.indices[:, :k].tolist(), top.values[:, :k].tolist()
+    return [list(zip(i, v)) for i, v in zip(ids, vals)]

@@ -1,0 +1,96 @@
+"""Request: one sequence's state in the engine, and RequestOutput, what a step reports about it.
+
+One counter drives everything: `num_computed_tokens` catches up to `num_tokens` (prompt + generated). A prompt is
+computed in one or more chunks; a prefix-cache hit advances the counter without compute; preemption resets it to 0.
+A token is sampled whenever a step brings the counter level with `num_tokens`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nextoken.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Timings:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 eog_ids: frozenset[int]) -> None:
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.params = params
+        self.output_ids: list[int] = []
+        self.all_ids = list(prompt_ids)  # prompt + output, kept in step so slicing never concatenates
+        self.num_computed_tokens = 0
+        self.num_cached_blocks = 0  # leading blocks of block_table already registered in the prefix cache
+        self.block_table: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.stop_reason: int | str | None = None  # the end id or stop string that finished it
+        self.num_preemptions = 0
+        self.timings = Timings()
+        self.stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eog_ids)
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
+        self.prompt_logprobs: list[list[tuple[int, float]]] = []  # per prompt position, when asked
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_ids.append(token_id)
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.timings.finished = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed {self.num_computed_tokens}/"
+                f"{self.num_tokens}, blocks {len(self.block_table)})")
+
+
+@dataclass
+class RequestOutput:
+    """A step's news about one request: the new token ids and text since the last output, and totals."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    new_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    request: Request | None = None  # the request itself, for totals (timings, logprobs) once finished

@@ -1,0 +1,95 @@
+"""The model runner owns the model and the KV pool and turns a schedule into logits.
+
+It picks the device and dtype (CUDA and bf16 when a GPU is present, else CPU and fp32), sizes the KV pool from the
+engine's byte budget, and runs one forward pass per step under inference mode.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from nextoken.cache.kv_pool import KVPool, KVShape
+from nextoken.config import EngineConfig, available_memory_bytes
+from nextoken.engine.batch import ForwardBatch
+from nextoken.engine.scheduler import ScheduledRequest
+from nextoken.errors import NextokenError
+from nextoken.loader.gguf import GGUFFile
+from nextoken.models import load_model
+from nextoken.models.config import ModelConfig
+from nextoken.ops.attention import AttentionMetadata
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MAX_KV_BYTES_DEFAULT = 1 << 30  # a default, not a limit: kv_cache_bytes can ask for more
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise NextokenError(f"device {name!r} requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, gguf: GGUFFile, model_config: ModelConfig, config: EngineConfig,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        start = time.perf_counter()
+        self.model = load_model(gguf, model_config, dtype=self.dtype, device=self.device)
+        self.load_seconds = time.perf_counter() - start
+        # Activations, and so the KV cache, are fp32 whatever the weight dtype.
+        self.kv_shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                                torch.float32)
+        self.block_size = config.block_size
+        num_blocks = self._num_blocks(max_model_len)
+        self.kv_pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device)
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        block_bytes = self.kv_shape.bytes_per_token * self.block_size
+        if self.config.kv_cache_bytes is not None:
+            budget = self.config.kv_cache_bytes
+        else:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+            else:
+                free = available_memory_bytes()
+            budget = min(int(free * self.config.kv_cache_fraction), MAX_KV_BYTES_DEFAULT)
+            # No use holding more than every running sequence at full length.
+            budget = min(budget, block_bytes * self.config.max_num_seqs * -(-max_model_len // self.block_size))
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise NextokenError(f"a KV cache of {budget} bytes holds no block of {self.block_size} tokens "
+                                f"({block_bytes} bytes); raise kv_cache_bytes")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
+        """Run one forward pass over the scheduled chunks -> (the batch, fp32 logits [num_logits, vocab])."""
+        batch = ForwardBatch.build(scheduled, self.block_size, self.device)
+        logits = self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
+                            batch.logits_indices)
+        return batch, logits
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced fp32 logits at every position of `token_ids` ([len, vocab]), in one forward pass over a
+        private cache: the engine's pool and running requests are untouched."""
+        n = len(token_ids)
+        num_blocks = -(-n // self.block_size)
+        pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=self.device), query_start_loc=[0, n], seq_lens=[n],
+            block_tables=torch.arange(num_blocks, device=self.device)[None], block_size=self.block_size)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return self.model(ids, torch.arange(n, device=self.device), pool.layers, meta).float()

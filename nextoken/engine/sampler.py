@@ -1,0 +1,140 @@
+"""The sampler: logits [num_seqs, vocab] -> one token id per sequence, plus log-probabilities when asked.
+
+Stage order, each stage skipped when no row of the batch uses it:
+  1. penalties (repetition over prompt + output; presence and frequency over output)
+  2. greedy rows (temperature 0): argmax of the penalized logits, done
+  3. temperature: logits / T
+  4. top-k: keep the k largest
+  5. top-p: keep the smallest set whose probability reaches p (the most likely token always stays)
+  6. min-p: drop tokens below min_p x the most likely token's probability
+  7. draw from softmax, with the request's own generator (seeded requests repeat exactly, whatever the batch)
+Log-probabilities are those of the raw model distribution (log_softmax of the unmodified logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nextoken.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    params: SamplingParams
+    generator: torch.Generator | None
+    prompt_ids: list[int]
+    output_ids: list[int]
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    # Per row: (logprob of the drawn token, [(id, logprob), ...] top-K) or None where not asked for.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    logits = logits.clone()
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(row.prompt_ids) | set(row.output_ids)), dtype=torch.long,
+                                device=logits.device)
+            if seen.numel():
+                vals = logits[i, seen]
+                logits[i, seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and row.output_ids:
+            ids = torch.tensor(row.output_ids, dtype=torch.long, device=logits.device)
+            counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+                0, ids, torch.ones(len(ids), device=logits.device))
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor) -> torch.Tensor:
+    """Stages 3-6 on rows [num_rows, vocab] with per-row parameters [num_rows]; removed tokens become -inf.
+
+    top_k 0 and top_p 1 and min_p 0 are no-ops.
+    """
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[1]
+    if bool((top_k > 0).any()):
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [num_rows, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if bool((top_p < 1).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the tokens before it already reach p; the first token is always kept.
+        before = probs.cumsum(dim=-1) - probs
+        drop_sorted = before >= top_p[:, None]
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+class Sampler:
+    def __init__(self) -> None:
+        # Requests without a seed draw from this one; seeded requests carry their own generator.
+        self.default_generator = torch.Generator()
+        self.default_generator.seed()
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """logits [num_rows, vocab] fp32 (one row per entry of `rows`)."""
+        raw = logits
+        if any(r.params.has_penalties for r in rows):
+            logits = apply_penalties(logits, rows)
+        greedy = [r.params.is_greedy for r in rows]
+        if all(greedy):
+            token_ids = logits.argmax(dim=-1).tolist()
+        else:
+            token_ids = self._draw(logits, rows, greedy)
+        return SampleResult(token_ids, self._logprobs(raw, rows, token_ids))
+
+    def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
+        argmax = logits.argmax(dim=-1).tolist()
+        idx = [i for i, g in enumerate(greedy) if not g]
+        sub = logits[idx]
+        ps = [rows[i].params for i in idx]
+        dev = logits.device
+        filtered = filter_logits(
+            sub,
+            temperature=torch.tensor([p.temperature for p in ps], device=dev),
+            top_k=torch.tensor([p.top_k for p in ps], device=dev),
+            top_p=torch.tensor([p.top_p for p in ps], device=dev),
+            min_p=torch.tensor([p.min_p for p in ps], device=dev),
+        )
+        probs = filtered.softmax(dim=-1)
+        out = list(argmax)
+        for j, i in enumerate(idx):
+            gen = rows[i].generator or self.default_generator
+            out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+        return out
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
+                  ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+        wanted = [r.params.logprobs for r in rows]
+        if all(w is None for w in wanted):
+            return [None] * len(rows)
+        logp = raw.log_softmax(dim=-1)
+        out: list[tuple[float, list[tuple[int, float]]] | None] = []
+        for i, k in enumerate(wanted):
+            if k is None:
+                out.append(None)
+                continue
+            chosen = float(logp[i, token_ids[i]])
+            top = logp[i].topk(k) if k else None
+            pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
+            out.append((chosen, pairs))
+        return out

@@ -1,0 +1,132 @@
+"""The scheduler decides, each step, which requests advance and by how many tokens; it never touches tensors.
+
+Running requests go first (in arrival order), then waiting ones (first come, first served), within a per-step
+token budget. A request's chunk is `num_tokens - num_computed_tokens` cut to the budget, so decode (one token),
+a whole prompt, a prompt's next chunk and a resumed preempted request are all the same case. When blocks run out,
+the most recently arrived running request is preempted: its blocks are freed and it will be recomputed (its
+prefix blocks often survive in the prefix cache). While anything was preempted this step, nothing new is admitted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from nextoken.cache.block_manager import BlockManager
+from nextoken.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a new token is drawn after it."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_chunked_prefill: bool = True) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[ScheduledRequest]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self.bm.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_table)
+            while need > self.bm.num_free_blocks:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                break
+            if need > 0:
+                blocks = self.bm.allocate(need)
+                assert blocks is not None
+                req.block_table.extend(blocks)
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            # Prompt log-probabilities need every prompt position computed, so those requests skip the cache.
+            use_cache = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+            hits = self.bm.find_cached_prefix(req.all_ids) if use_cache else []
+            num_computed = len(hits) * self.bm.block_size
+            num_new = req.num_tokens - num_computed
+            if num_new > budget and not self.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            need = self.bm.blocks_needed(num_computed + num_new) - len(hits)
+            # Hit blocks nobody references count as free until taken.
+            revived = sum(1 for b in hits if self.bm.blocks[b].ref_count == 0)
+            if need + revived > self.bm.num_free_blocks:
+                break
+            self.waiting.popleft()
+            self.bm.take_cached(hits)
+            blocks = self.bm.allocate(need)
+            assert blocks is not None
+            req.block_table = hits + blocks
+            req.num_computed_tokens = num_computed
+            req.num_cached_blocks = len(hits)
+            if req.timings.first_scheduled is None:
+                req.timings.first_scheduled = time.perf_counter()
+                req.timings.num_cached_prompt_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return scheduled
+
+    def _preempt(self, req: Request) -> None:
+        self.bm.free(req.block_table)
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_cached_blocks = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def advance(self, item: ScheduledRequest) -> None:
+        """Record that a scheduled chunk was computed; register newly full blocks in the prefix cache."""
+        req = item.request
+        req.num_computed_tokens += item.num_new_tokens
+        num_full = req.num_computed_tokens // self.bm.block_size
+        if num_full > req.num_cached_blocks:
+            self.bm.cache_full_blocks(req.block_table, req.all_ids, req.num_cached_blocks, num_full)
+            req.num_cached_blocks = num_full
+
+    def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a request wherever it is (running or waiting) and give its blocks back at once."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.bm.free(req.block_table)
+        req.block_table = []
+        req.finish(reason, stop_reason)

@@ -1,0 +1,213 @@
+"""The Python API: `LLM(model).generate(prompts, SamplingParams(...))`, `.chat(messages, ...)` and `.stream(...)`.
+
+Everything runs through one LLMEngine: many prompts are batched by its scheduler, a single one is the same path
+with one request. Chat messages go through the model's template; their contents are marked untrusted so that
+special-token text typed by a user never becomes a control token.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nextoken.config import EngineConfig
+from nextoken.engine.engine import LLMEngine
+from nextoken.engine.request import Request, RequestOutput
+from nextoken.errors import NextokenError
+from nextoken.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+@dataclass
+class Completion:
+    """One generated sequence."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class GenerationOutput:
+    """One prompt's result: its `n` completions, usage and timings (`text`/`token_ids` are of the first)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+    timings: dict[str, float | None]
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    usage: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def request_timings(req: Request) -> dict[str, float | None]:
+    """Time to first token, prefill and decode rates of a finished request (seconds, tokens/s)."""
+    t = req.timings
+    ttft = t.first_token - t.arrival if t.first_token is not None else None
+    prefill_s = t.first_token - t.first_scheduled if t.first_token and t.first_scheduled else None
+    num_computed_prompt = req.num_prompt_tokens - t.num_cached_prompt_tokens
+    decode_s = t.finished - t.first_token if t.finished and t.first_token else None
+    num_decode = len(req.output_ids) - 1
+    return {
+        "time_to_first_token_s": ttft,
+        "prefill_tokens_per_s": num_computed_prompt / prefill_s if prefill_s else None,
+        "decode_tokens_per_s": num_decode / decode_s if decode_s and num_decode > 0 else None,
+        "total_s": t.finished - t.arrival if t.finished else None,
+        "cached_prompt_tokens": t.num_cached_prompt_tokens,
+    }
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "auto", device: str = "auto",
+                 **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, device=device, **engine_options))
+        self.tokenizer = self.engine.tokenizer
+        self.chat_template = self.engine.chat_template
+        self.model_config = self.engine.model_config
+        self._ids = itertools.count()
+
+    # --- prompts ---------------------------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+        """Messages -> (prompt text, token ids), special tokens parsed only where the template wrote them."""
+        text, spans = self.chat_template.render_with_spans(messages, add_generation_prompt=add_generation_prompt)
+        return text, self.tokenizer.encode(text, add_special_tokens=False, plain_spans=spans)
+
+    # --- generation ------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
+                 use_tqdm: bool | None = None) -> list[GenerationOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        items = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]  # type: ignore[union-attr]
+        return self._run(items, params or SamplingParams(), use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
+             use_tqdm: bool | None = None) -> list[GenerationOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        items = [self.render_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
+        return self._run([(t, ids) for t, ids in items], params or SamplingParams(), use_tqdm)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Run one request, yielding its RequestOutput after every step; aborts it if the caller stops early."""
+        params = params or SamplingParams()
+        request_id = self.engine.add_request(prompt_ids, params, f"stream-{next(self._ids)}")
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort(request_id)
+
+    def _run(self, items: list[tuple[str | None, list[int]]], params: SamplingParams,
+             use_tqdm: bool | None) -> list[GenerationOutput]:
+        engine = self.engine
+        groups: list[list[str]] = []
+        added: list[str] = []
+        try:
+            for _, ids in items:
+                group = []
+                for i in range(params.n):
+                    sub = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + i)
+                    rid = engine.add_request(ids, sub, f"gen-{next(self._ids)}")
+                    added.append(rid)
+                    group.append(rid)
+                groups.append(group)
+        except NextokenError:
+            for rid in added:
+                engine.abort(rid)
+            raise
+        texts: dict[str, list[str]] = {rid: [] for g in groups for rid in g}
+        done: dict[str, Request] = {}
+        progress = _Progress(len(texts), enabled=use_tqdm)
+        try:
+            while len(done) < len(texts):
+                for out in engine.step():
+                    if out.request_id not in texts:
+                        continue
+                    texts[out.request_id].append(out.new_text)
+                    progress.tokens += len(out.new_token_ids)
+                    if out.finished and out.request is not None:
+                        done[out.request_id] = out.request
+                        progress.advance()
+        finally:
+            progress.close()
+            for rid in texts:
+                if rid not in done:
+                    engine.abort(rid)
+        results = []
+        for (prompt, ids), group in zip(items, groups):
+            reqs = [done[rid] for rid in group]
+            first = reqs[0]
+            completions = [Completion(i, "".join(texts[r.request_id]), list(r.output_ids), r.finish_reason,
+                                      r.logprobs if params.logprobs is not None else None)
+                           for i, r in enumerate(reqs)]
+            num_out = sum(len(r.output_ids) for r in reqs)
+            results.append(GenerationOutput(
+                request_id=first.request_id, prompt=prompt, prompt_token_ids=ids, outputs=completions,
+                timings=request_timings(first),
+                prompt_logprobs=first.prompt_logprobs if params.prompt_logprobs is not None else None,
+                usage={"prompt_tokens": len(ids), "completion_tokens": num_out, "total_tokens": len(ids) + num_out},
+            ))
+        return results
+
+
+def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    return replace(params, seed=seed % 2**63)
+
+
+class _Progress:
+    """A rich progress bar (requests done, output tokens/s), shown only for batches that take a while."""
+
+    def __init__(self, total: int, enabled: bool | None) -> None:
+        self.total, self.done, self.tokens = total, 0, 0
+        self.enabled = enabled if enabled is not None else total > 1
+        self.start = time.perf_counter()
+        self._bar: Any = None
+
+    def advance(self) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self._bar is None and time.perf_counter() - self.start > 2.0:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task("gen", total=self.total, rate="")
+        if self._bar is not None:
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self._bar.update(self._task, completed=self.done, rate=f"{rate:,.0f} tok/s")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

@@ -1,0 +1,62 @@
+"""The Llama family (SmolLM2, Llama 2/3, Mistral-style): pre-norm blocks of RMSNorm, RoPE grouped-query attention
+and a SwiGLU MLP, with residuals around both; embeddings tied to the LM head when the file has no `output.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nextoken.models.base import CausalLM, KVCache
+from nextoken.models.config import ModelConfig
+from nextoken.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from nextoken.ops.attention import AttentionMetadata
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = SelfAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rope,
+                                  scale=cfg.query_scale)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.ffn_size, activation="silu")
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), positions, kv_cache, meta)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        rope = RotaryEmbedding(config.rope, config.head_dim)  # one table shared by every layer
+        self.layers = nn.ModuleList(LlamaBlock(config, rope) for _ in range(config.num_layers))
+
+    def layer_tensor_map(self) -> dict[str, tuple[str, ...]]:
+        return {
+            "input_norm.weight": ("attn_norm.weight",),
+            "attn.qkv_proj.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+            "attn.o_proj.weight": ("attn_output.weight",),
+            "post_attn_norm.weight": ("ffn_norm.weight",),
+            "mlp.gate_up_proj.weight": ("ffn_gate.weight", "ffn_up.weight"),
+            "mlp.down_proj.weight": ("ffn_down.weight",),
+        }
+
+    def transform_tensor(self, gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        # llama.cpp's converter permutes the rows of Q and K so that its interleaved RoPE (pairs 2i, 2i+1) equals
+        # the original half-split RoPE; undo it to use the half-split ("neox") layout everywhere.
+        cfg = self.config
+        if gguf_name.endswith("attn_q.weight"):
+            return _unpermute(tensor, cfg.num_heads)
+        if gguf_name.endswith("attn_k.weight"):
+            return _unpermute(tensor, cfg.num_kv_heads)
+        return tensor
+
+
+def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[heads * head_dim, in] rows in (head, pair, 2) order -> (head, 2, pair) order."""
+    out_features = w.shape[0]
+    return (w.reshape(num_heads, out_features // num_heads // 2, 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape).contiguous())

@@ -1,0 +1,109 @@
+"""Paged attention in pure torch: writes new K/V into cache slots, then attends over each sequence's blocks.
+
+The KV cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's
+tokens live in the blocks its block table lists, in order. `AttentionMetadata` says, for one forward pass, where
+each new token's K/V goes (`slot_mapping`) and which context each sequence attends over. Causality and sliding
+windows are positional: query i of a sequence sits at position seq_len - query_len + i.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward pass's view of the paged cache. Sequences are laid out back to back in the token dimension."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset for each new token
+    query_start_loc: list[int]  # [num_seqs + 1]: sequence s owns new tokens [start[s], start[s+1])
+    seq_lens: list[int]  # [num_seqs]: tokens in context after this pass (cached + new)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.query_start_loc[-1] == self.num_seqs
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    num_blocks = -(-seq_len // cache.shape[1])
+    # [num_blocks, block_size, kv_heads, head_dim] -> [seq_len, kv_heads, head_dim]
+    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
+
+
+def _mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
+    """Boolean [query_len, seq_len] mask (True = may attend), or None where every key is visible."""
+    if query_len == 1 and (sliding_window is None or seq_len <= sliding_window):
+        return None
+    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if sliding_window is not None:
+        allowed &= q_pos - k_pos < sliding_window
+    return allowed
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
+    """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads,
+    head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode_only and meta.num_seqs > 1:
+        return _batched_decode(q, k_cache, v_cache, meta, scale, sliding_window)
+    out = torch.empty_like(q)
+    starts = meta.query_start_loc
+    for s, seq_len in enumerate(meta.seq_lens):
+        start, end = starts[s], starts[s + 1]
+        query_len = end - start
+        keys = _gather(k_cache, meta.block_tables[s], seq_len)
+        values = _gather(v_cache, meta.block_tables[s], seq_len)
+        # [1, heads, tokens, head_dim] for SDPA; enable_gqa lets K/V keep their fewer heads.
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)
+        ks = keys.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        vs = values.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        is_plain_causal = query_len == seq_len and (sliding_window is None or seq_len <= sliding_window)
+        if is_plain_causal and query_len > 1:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            mask = _mask(query_len, seq_len, sliding_window, q.device)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One new token per sequence: gather every context padded to the longest, one masked SDPA call."""
+    num_seqs = meta.num_seqs
+    max_len = max(meta.seq_lens)
+    num_blocks = -(-max_len // meta.block_size)
+    table = meta.block_tables[:, :num_blocks]
+    # [num_seqs, num_blocks * block_size, kv_heads, head_dim]
+    keys = k_cache[table].flatten(1, 2)[:, :max_len].to(q.dtype)
+    values = v_cache[table].flatten(1, 2)[:, :max_len].to(q.dtype)
+    seq_lens = torch.tensor(meta.seq_lens, device=q.device)[:, None]
+    k_pos = torch.arange(max_len, device=q.device)[None, :]
+    allowed = k_pos < seq_lens  # [num_seqs, max_len]
+    if sliding_window is not None:
+        allowed &= (seq_lens - 1) - k_pos < sliding_window
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [num_seqs, heads, 1, head_dim]
+        keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True)
+    return o.squeeze(2)

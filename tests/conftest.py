@@ -1,0 +1,44 @@
+"""Shared fixtures: tiny generated models (fast unit tests) and the real packaged models (integration tests).
+
+Real models are loaded once per session and shared; their KV pools are kept small so several fit in memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.tiny import write_tiny_model
+
+DATA = Path(__file__).parent / "data"
+REAL_MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma-3-270m"}
+TEST_KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf", "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-gemma3.gguf", "gemma3")
+
+
+def load_reference(model: str, name: str) -> dict:
+    return json.loads((DATA / "reference" / model / name).read_text())
+
+
+_LLMS: dict[tuple[str, str], object] = {}
+
+
+def real_llm(model: str, dtype: str = "float32"):  # noqa: ANN201 - returns nextoken.LLM
+    """One shared LLM per (model, dtype) for the whole session."""
+    from nextoken import LLM
+
+    key = (model, dtype)
+    if key not in _LLMS:
+        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, device="cpu", kv_cache_bytes=TEST_KV_BYTES)
+    return _LLMS[key]

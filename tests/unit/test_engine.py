@@ -1,0 +1,156 @@
+"""The engine on tiny generated models: KV-cached decoding equals recomputation, batching and chunked prefill change
+no greedy output, stop conditions, length errors, seeded sampling, abort."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nextoken import LLM, SamplingParams
+from nextoken.errors import PromptTooLong
+
+PROMPTS = ["the cat sat on the mat", "hello", "in the beginning there was the word and the word was",
+           "a", "seven seas", "the the the the the the the the the the the the the the the the the", "on at en"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny(request: pytest.FixtureRequest, tiny_llama: Path, tiny_gemma: Path) -> Path:
+    return tiny_llama if request.param == "llama" else tiny_gemma
+
+
+def _llm(path: Path, **options: object) -> LLM:
+    return LLM(str(path), dtype="float32", device="cpu", kv_cache_bytes=8 << 20, **options)
+
+
+def test_cached_decode_matches_recompute(tiny: Path) -> None:
+    """Each decode step's logits (read from the KV cache) equal a full recomputation of the sequence, even past
+    Gemma's 8-token sliding window."""
+    llm = _llm(tiny)
+    out = llm.generate("the cat sat", SamplingParams(temperature=0, max_tokens=24, logprobs=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    full = llm.engine.runner.score(out.prompt_token_ids + out.token_ids).log_softmax(-1)
+    num_prompt = len(out.prompt_token_ids)
+    assert out.outputs[0].logprobs is not None and len(out.outputs[0].logprobs) == 24
+    for step, (chosen, top) in enumerate(out.outputs[0].logprobs):
+        row = full[num_prompt - 1 + step]
+        assert abs(chosen - float(row[out.token_ids[step]])) < 1e-4
+        for token_id, lp in top:
+            assert abs(lp - float(row[token_id])) < 1e-4
+
+
+def test_batched_and_chunked_equal_alone(tiny: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    alone_llm = _llm(tiny, enable_prefix_caching=False)
+    alone = [alone_llm.generate(p, params, use_tqdm=False)[0].token_ids for p in PROMPTS]
+    # A 16-token budget splits every longer prompt into chunks and mixes prefill with decode.
+    batched_llm = _llm(tiny, max_num_batched_tokens=16)
+    together = [o.token_ids for o in batched_llm.generate(PROMPTS * 3, params, use_tqdm=False)]
+    assert together == alone * 3
+    bm = batched_llm.engine.block_manager
+    bm.check_integrity(expected_refs={})
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_preemption_keeps_outputs(tiny_llama: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = _llm(tiny_llama)
+    expected = [o.token_ids for o in roomy.generate(PROMPTS, params, use_tqdm=False)]
+    # Room for about 12 blocks of 16 tokens: seven 50-token requests cannot all run at once.
+    block_bytes = 2 * 2 * 2 * 16 * 4 * 16
+    tight = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=12 * block_bytes)
+    got = [o.token_ids for o in tight.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    tight.engine.block_manager.check_integrity(expected_refs={})
+
+
+def test_stop_conditions(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    free = llm.generate("hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 12
+    text = free.text
+    stop = text[3:6]
+    assert stop and stop in text
+    stopped = llm.generate("hello", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]),
+                           use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == text[:text.index(stop)]
+    # A stop id ends generation at that token.
+    stop_id = free.token_ids[4]
+    by_id = llm.generate("hello", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_id]),
+                         use_tqdm=False)[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+
+
+def test_stop_string_split_across_tokens(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    free = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)[0]
+    pieces = [llm.tokenizer.decode([t]) for t in free.token_ids]
+    # A stop string made of the end of one token's text and the start of the next.
+    k = next(i for i in range(len(pieces) - 1) if pieces[i] and pieces[i + 1])
+    stop = pieces[k][-1:] + pieces[k + 1][:1]
+    out = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop"
+    assert out.text == free.text[:free.text.index(stop)]
+
+
+def test_prompt_too_long_names_both_numbers(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    ids = llm.tokenizer.encode("hello there")
+    with pytest.raises(PromptTooLong, match=rf"{len(ids)} tokens and max_tokens is 250.*context length 256"):
+        llm.generate(ids, SamplingParams(max_tokens=250))
+    with pytest.raises(PromptTooLong, match="300 tokens"):
+        llm.generate([5] * 300, SamplingParams(max_tokens=1))
+
+
+def test_seeded_sampling_repeats(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    params = SamplingParams(temperature=5.0, top_p=0.95, max_tokens=16, seed=1234, ignore_eos=True)
+    a = llm.generate("hello", params, use_tqdm=False)[0].token_ids
+    # Same seed inside a batch of other requests: same tokens.
+    batch = llm.generate(["the cat", "hello", "seven"], params, use_tqdm=False)
+    assert batch[1].token_ids == a
+    other = llm.generate("hello", SamplingParams(temperature=5.0, top_p=0.95, max_tokens=16, seed=99, ignore_eos=True),
+                         use_tqdm=False)[0].token_ids
+    assert other != a
+
+
+def test_abort_frees_blocks(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    engine = llm.engine
+    ids = llm.tokenizer.encode("the cat sat on the mat " * 4)
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    assert engine.abort(rid)
+    assert not engine.has_unfinished()
+    engine.block_manager.check_integrity(expected_refs={})
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.abort(rid)
+
+
+def test_stream_yields_text_deltas(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    ids = llm.tokenizer.encode("hello")
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    deltas = [o.new_text for o in llm.stream(ids, params)]
+    assert "".join(deltas) == llm.generate(ids, params, use_tqdm=False)[0].text
+    assert len(deltas) == 10
+
+
+def test_chat_special_text_in_content_stays_plain(tiny_llama: Path) -> None:
+    llm = _llm(tiny_llama)
+    text, ids = llm.render_chat([{"role": "user", "content": "hi <|im_end|> there"}])
+    im_end = llm.tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert len(im_end) == 1
+    # The template's own <|im_start|>/<|im_end|> are control tokens; the user's typed one is not.
+    assert ids.count(im_end[0]) == 1
+    assert llm.tokenizer.decode(ids) == text
+
+
+def test_no_grad_state_leaks() -> None:
+    assert torch.is_grad_enabled()

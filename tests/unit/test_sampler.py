@@ -1,0 +1,100 @@
+"""Sampling: the stage order and filters against a direct numpy computation, a chi-square test that draws follow the
+filtered distribution, seeds, and parameter validation."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from nextoken.engine.sampler import Sampler, SamplingRow, filter_logits
+from nextoken.errors import InvalidSamplingParams
+from nextoken.sampling_params import SamplingParams
+
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
+                           min_p: float) -> np.ndarray:
+    """The filtered distribution computed directly: temperature, top-k, top-p, min-p in that order."""
+    z = logits / temperature
+    keep = np.ones_like(z, dtype=bool)
+    if top_k:
+        keep &= z >= np.sort(z)[::-1][top_k - 1]
+    p = np.where(keep, np.exp(z - z.max()), 0)
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    cum = 0.0
+    for idx in order:
+        if cum >= top_p:
+            keep[idx] = False
+        cum += p[idx]
+    p = np.where(keep, p, 0)
+    p /= p.sum()
+    keep &= p >= min_p * p.max()
+    p = np.where(keep, p, 0)
+    return p / p.sum()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 5, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.2), (2.0, 6, 0.95, 0.05),
+])
+def test_filter_matches_reference(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    filtered = filter_logits(LOGITS[None], torch.tensor([temperature]), torch.tensor([top_k]),
+                             torch.tensor([top_p]), torch.tensor([min_p]))
+    got = filtered.softmax(-1)[0].numpy()
+    want = reference_distribution(LOGITS.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.8, 4, 0.9)])
+def test_draws_follow_filtered_distribution(temperature: float, top_k: int, top_p: float) -> None:
+    """20,000 draws; chi-square goodness of fit against the filtered distribution (p > 0.001)."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(7)
+    n = 20_000
+    rows = [SamplingRow(params, gen, [], []) for _ in range(n)]
+    draws = sampler(LOGITS.expand(n, -1).clone(), rows).token_ids
+    counts = np.bincount(draws, minlength=len(LOGITS))
+    want = reference_distribution(LOGITS.numpy().astype(np.float64), temperature, top_k, top_p, 0.0)
+    assert counts[want == 0].sum() == 0, "a filtered-out token was drawn"
+    support = want > 0
+    chi2 = stats.chisquare(counts[support], want[support] * n)
+    assert chi2.pvalue > 1e-3, chi2
+
+
+def test_greedy_is_argmax_and_seeds_repeat() -> None:
+    sampler = Sampler()
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    greedy = sampler(logits, [SamplingRow(SamplingParams(temperature=0), None, [], [])] * 4).token_ids
+    assert greedy == logits.argmax(-1).tolist()
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def draw(seed: int) -> list[int]:
+        gen = torch.Generator().manual_seed(seed)
+        return [sampler(logits[:1], [SamplingRow(params, gen, [], [])]).token_ids[0] for _ in range(30)]
+
+    assert draw(5) == draw(5)
+    assert draw(5) != draw(6)
+
+
+def test_repetition_penalty_lowers_seen_tokens() -> None:
+    logits = torch.tensor([[3.0, 2.9, -1.0]])
+    row = SamplingRow(SamplingParams(temperature=0, repetition_penalty=2.0), None, [0], [])
+    assert Sampler()(logits, [row]).token_ids == [1]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf), ("top_p", 0.0), ("top_p", 1.5),
+    ("top_k", -1), ("top_k", 2.5), ("min_p", 1.5), ("max_tokens", 0), ("max_tokens", -3), ("max_tokens", "8"),
+    ("n", 0), ("n", 1000), ("seed", -1), ("logprobs", 100), ("stop", [""]), ("stop", ["x"] * 100),
+    ("repetition_penalty", 0.0), ("presence_penalty", 3.0),
+])
+def test_invalid_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(InvalidSamplingParams, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
