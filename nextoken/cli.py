@@ -98,12 +98,15 @@ def cmd_models(args: argparse.Namespace) -> int:
 
     table = Table(title="nextoken models")
     for col in ("name", "installed", "architecture", "quantization", "parameters", "size", "file"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=col != "file", overflow="fold")
     for r in rows:
         table.add_row(r["name"], "yes" if r["installed"] else f"no: {r['install']}", r["architecture"] or "-",
                       r["quantization"] or "-", f"{r['parameters'] / 1e6:.1f} M" if r["parameters"] else "-",
                       f"{r['size_bytes'] / 2**20:.1f} MiB" if r["size_bytes"] else "-", r["file"])
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped: no terminal width to fit, so never cut names short
+        console = Console(width=200)
+    console.print(table)
     return 0
 
 
@@ -210,6 +213,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from nextoken.config import EngineConfig
+    from nextoken.server.bind import check_bind
+
+    check_bind(args.host, args.api_key, args.allow_insecure_bind)  # before torch and the model load: fail fast
+    from nextoken.server.serve import serve
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, max_waiting=args.max_waiting,
+                          kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs)
+    return serve(config, host=args.host, port=args.port, api_key=args.api_key,
+                 allow_insecure_bind=args.allow_insecure_bind, drain_timeout=args.drain_timeout)
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> Any:  # one line, not a usage dump
         print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
@@ -253,12 +269,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ids", nargs="+")
     _add_model(p)
     p.set_defaults(func=cmd_detokenize)
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    _add_engine(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")
+    p.add_argument("--allow-insecure-bind", action="store_true",
+                   help="allow binding a non-loopback address without --api-key")
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests beyond which new ones get 503")
+    p.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (default: a share of free memory)")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM lets in-flight requests finish before aborting them")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "verbose", False):
+        import logging
+
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s", stream=sys.stderr)
     try:
         return int(args.func(args) or 0)
     except NextokenError as e:

@@ -9,6 +9,7 @@ that finishes or is aborted gives its KV blocks back in the same call.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 
@@ -149,8 +150,23 @@ class LLMEngine:
             if i not in token_for or result is None:
                 continue
             k = token_for[i]
-            outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
+            try:
+                outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
+            except Exception as exc:  # one request's detokenization or stop check must not take the batch down
+                logging.getLogger("nextoken.engine").error("request %s failed: %s", req.request_id,
+                                                           type(exc).__name__)
+                outputs.append(self._fail(live))
         return outputs
+
+    def _fail(self, live: _Live) -> RequestOutput:
+        """End a request whose processing raised: finish_reason "error", blocks freed, the others go on."""
+        req = live.request
+        self._live.pop(req.request_id, None)
+        if not req.is_finished:
+            self.scheduler.finish(req, "error")
+        return RequestOutput(request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
+                             finish_reason="error", num_prompt_tokens=req.num_prompt_tokens,
+                             num_output_tokens=len(req.output_ids), request=req)
 
     def _accept(self, live: _Live, token_id: int, logprob: tuple | None, now: float) -> RequestOutput:
         req = live.request

@@ -6,6 +6,7 @@ engine's byte budget, and runs one forward pass per step under inference mode.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -19,6 +20,8 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops.attention import AttentionMetadata
+
+logger = logging.getLogger("nextoken")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_KV_BYTES_DEFAULT = 1 << 30  # a default, not a limit: kv_cache_bytes can ask for more
@@ -54,6 +57,11 @@ class ModelRunner:
         self.block_size = config.block_size
         num_blocks = self._num_blocks(max_model_len)
         self.kv_pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device)
+        logger.info("KV cache: %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %d bytes); "
+                    "%d blocks of %d tokens = %d tokens, %.1f MiB", self.kv_shape.bytes_per_token,
+                    model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                    torch.finfo(self.kv_shape.dtype).bits // 8, num_blocks, self.block_size,
+                    self.kv_pool.num_tokens, self.kv_pool.nbytes / 2**20)
 
     def _num_blocks(self, max_model_len: int) -> int:
         block_bytes = self.kv_shape.bytes_per_token * self.block_size

@@ -5,13 +5,15 @@ token budget. A request's chunk is `num_tokens - num_computed_tokens` cut to the
 a whole prompt, a prompt's next chunk and a resumed preempted request are all the same case. When blocks run out,
 the most recently arrived running request is preempted: its blocks are freed and it will be recomputed (its
 prefix blocks often survive in the prefix cache). While anything was preempted this step, nothing new is admitted.
+Without chunked prefill a waiting request is admitted only when its whole prompt fits in the step, except one that
+could never fit in any step's budget: that one is still chunked, rather than blocking the queue forever.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nextoken.cache.block_manager import BlockManager
 from nextoken.engine.request import Request, RequestStatus
@@ -21,11 +23,12 @@ from nextoken.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # True when this chunk reaches the end of the known tokens, so a new token is drawn after it. Fixed when the
+    # chunk is scheduled: `advance` moves num_computed_tokens on, and must not change what this chunk was.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a new token is drawn after it."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
 
 
 class Scheduler:
@@ -78,8 +81,8 @@ class Scheduler:
             hits = self.bm.find_cached_prefix(req.all_ids) if use_cache else []
             num_computed = len(hits) * self.bm.block_size
             num_new = req.num_tokens - num_computed
-            if num_new > budget and not self.enable_chunked_prefill:
-                break
+            if num_new > budget and not self.enable_chunked_prefill and num_new <= self.max_num_batched_tokens:
+                break  # wait for a step with room for the whole prompt
             num_new = min(num_new, budget)
             need = self.bm.blocks_needed(num_computed + num_new) - len(hits)
             # Hit blocks nobody references count as free until taken.

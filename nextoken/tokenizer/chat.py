@@ -89,6 +89,26 @@ class _GuardedCodeGenerator(CodeGenerator):
         super().visit_Concat(node, frame)
         self.write(")")
 
+    # Container literals can nest one list inside another many times over (`[l, l]` in a loop): tiny in memory,
+    # exponential once printed. Measure each new container as the tree it prints as.
+    def visit_List(self, node: nodes.List, frame: Frame) -> None:
+        self.write("environment.guard_size(")
+        super().visit_List(node, frame)
+        self.write(")")
+
+    def visit_Tuple(self, node: nodes.Tuple, frame: Frame) -> None:
+        if node.ctx != "load":  # a loop target or assignment unpacking, not a value
+            super().visit_Tuple(node, frame)
+            return
+        self.write("environment.guard_size(")
+        super().visit_Tuple(node, frame)
+        self.write(")")
+
+    def visit_Dict(self, node: nodes.Dict, frame: Frame) -> None:
+        self.write("environment.guard_size(")
+        super().visit_Dict(node, frame)
+        self.write(")")
+
 
 class _Sandbox(ImmutableSandboxedEnvironment):
     """transformers' chat-template environment plus limits on time, size, ranges and arithmetic."""
@@ -117,8 +137,12 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             self.fail(f"rendering exceeded the time limit of {self.timeout_s:g} s")
 
     def guard_size(self, value: Any) -> Any:
-        if isinstance(value, (str, list, tuple, dict)) and len(value) > self.max_size:
+        if isinstance(value, str) and len(value) > self.max_size:
             self.fail(f"a value of {len(value)} items exceeds the size limit ({self.max_size})")
+        if isinstance(value, (list, tuple, dict)):
+            size = _tree_size(value, {})
+            if size > self.max_size:
+                self.fail(f"a value of {size} nested items exceeds the size limit ({self.max_size})")
         return value
 
     def guard_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
@@ -195,6 +219,19 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         if operator == "%" and isinstance(left, str):
             self.check_format(left, right if isinstance(right, tuple) else (right,))
         return self.guard_size(super().call_binop(context, operator, left, right))
+
+
+def _tree_size(value: Any, memo: dict[int, int]) -> int:
+    """Items a container holds counted as a tree (shared parts once per appearance), in time linear in the distinct
+    containers: what printing it would produce."""
+    if not isinstance(value, (list, tuple, dict)):
+        return 1
+    key = id(value)
+    if key not in memo:
+        memo[key] = 1  # a container reaching itself counts once rather than forever
+        items = [*value.keys(), *value.values()] if isinstance(value, dict) else value
+        memo[key] = 1 + sum(_tree_size(v, memo) for v in items)
+    return memo[key]
 
 
 def _strftime_now(fmt: str) -> str:

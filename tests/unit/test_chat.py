@@ -208,3 +208,13 @@ def test_runaway_templates_stop_fast(source: str, match: str) -> None:
     with pytest.raises(TemplateError, match=match):
         template.render([{"role": "user", "content": "x"}])
     assert time.monotonic() - start < 3.0
+
+
+def test_self_doubling_nested_list_stops_fast() -> None:
+    """A list nesting itself twice per iteration is tiny in memory but exponential once printed."""
+    source = ("{% set ns = namespace(l=[1]) %}{% for i in range(40) %}{% set ns.l = [ns.l, ns.l] %}{% endfor %}"
+              "{{ ns.l }}")
+    start = time.monotonic()
+    with pytest.raises(TemplateError, match="size limit"):
+        ChatTemplate(source).render([{"role": "user", "content": "x"}])
+    assert time.monotonic() - start < 2

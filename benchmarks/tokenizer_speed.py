@@ -1,6 +1,6 @@
 """Tokenizer speed: build time (cold: merges generated; cached: merges read back) and 100 KB encode/decode/stream.
 
-Run: .venv/bin/python benchmarks/tokenize.py [model ...]   (default: smollm2-135m-instruct gemma-3-270m)
+Run: .venv/bin/python benchmarks/tokenizer_speed.py [model ...]   (default: smollm2-135m-instruct gemma-3-270m)
 The merges cache goes to a fresh temporary directory, so "cold" really is cold; the model files are resolved first.
 """
 
@@ -8,19 +8,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
+import time
 
-# This file shares its name with the standard library's `tokenize` (which linecache, hence dataclasses, imports): run
-# as a script, its own directory would shadow that module. Swap that directory for the repository root.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [os.path.dirname(_HERE)] + [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-from nextoken.loader.gguf import read_gguf  # noqa: E402
-from nextoken.loader.registry import resolve_model  # noqa: E402
-from nextoken.tokenizer.detokenize import IncrementalDetokenizer  # noqa: E402
-from nextoken.tokenizer.tokenizer import Tokenizer  # noqa: E402
+from nextoken.loader.gguf import read_gguf
+from nextoken.loader.registry import resolve_model
+from nextoken.tokenizer.detokenize import IncrementalDetokenizer
+from nextoken.tokenizer.tokenizer import Tokenizer
 
 ENGLISH = ("The quick brown fox jumps over the lazy dog. Tokenizers split text into pieces that a language model "
            "can embed; byte-level vocabularies never meet an unknown character, while SentencePiece ones fall back "

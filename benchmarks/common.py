@@ -1,0 +1,58 @@
+"""Shared by the benchmark scripts: the anchors' figures, timing helpers and result files.
+
+Anchors are copied from ANCHORS.md (measured 2026-11-29 on this machine class, 2 threads): llama.cpp and
+transformers on the same GGUF files. Benchmarks print our figure beside them and the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+ANCHORS = {
+    "smollm2-135m-instruct": {
+        "prefill_512": {"llama.cpp": 263, "transformers fp32": 847, "transformers bf16": 2633},
+        "decode_1": {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23},
+        "decode_16": {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256},
+        "decode_64": {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581},
+        "load_s": {"transformers fp32": 17, "transformers bf16": 16},
+    },
+    "gemma-3-270m": {
+        "prefill_512": {"llama.cpp": 544, "transformers fp32": 823, "transformers bf16": 2115},
+        "decode_1": {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17},
+        "decode_16": {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190},
+        "decode_64": {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427},
+        "load_s": {"transformers fp32": 48, "transformers bf16": 43},
+    },
+}
+
+
+def median_time(fn: Callable[[], object], repeats: int = 3, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def versus(value: float, anchors: dict[str, float], higher_is_better: bool = True) -> str:
+    parts = []
+    for name, anchor in anchors.items():
+        ratio = value / anchor if higher_is_better else anchor / value
+        parts.append(f"{name} {anchor:g} ({ratio:.2f}x)")
+    return ", ".join(parts)
+
+
+def save(name: str, payload: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    return path

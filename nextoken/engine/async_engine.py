@@ -1,0 +1,296 @@
+"""AsyncEngine: one LLMEngine driven by a background thread, for asyncio callers (the HTTP server).
+
+Invariants: every call into the engine (add, abort, step) happens on the engine thread; callers reach it only through
+a command list guarded by a condition variable, processed between steps. The thread steps while any request is
+unfinished and otherwise sleeps on the condition (no busy loop). Each caller's requests report to one asyncio.Queue
+fed with `loop.call_soon_threadsafe`; a caller that stops listening (break, GeneratorExit, CancelledError) aborts its
+requests, which frees their KV blocks in the next pass of the loop. An exception while serving one request fails
+that request (or, for a failed forward pass, the requests in the engine at the time) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from nextoken.engine.engine import EngineBusy, LLMEngine
+from nextoken.engine.request import RequestOutput
+from nextoken.errors import NextokenError
+from nextoken.sampling_params import SamplingParams
+
+__all__ = ["AsyncEngine", "EngineBusy", "EngineFailure", "EngineStats", "EngineStopped", "RequestStream", "SubRequest"]
+
+log = logging.getLogger("nextoken.engine")
+
+
+class EngineStopped(NextokenError):
+    """The engine is draining or stopped (SIGTERM): no new requests are admitted."""
+
+    http_status = 503
+
+
+class EngineFailure(NextokenError):
+    """The engine failed while serving this request (a bug in nextoken, not the caller's input)."""
+
+    http_status = 500
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One engine request of a group (a prompt, or one of the `n` choices of a prompt)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the engine thread after each pass, safe to read from any thread."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    num_steps: int = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.num_running + self.num_waiting
+
+
+@dataclass(eq=False)
+class _Group:
+    """The requests of one caller, all reporting to one queue as (index in the group, output) or an exception."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException]
+    requests: Sequence[SubRequest]
+    added: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_ids: tuple[str, ...]
+
+
+class RequestStream:
+    """(index in the group, RequestOutput) for each step that advanced one of a group's requests, until all finish.
+
+    `close()` (also on leaving `async with`, on an error, or when cancelled while waiting) aborts every request
+    not yet finished; closing twice is harmless.
+    """
+
+    def __init__(self, engine: AsyncEngine, group: _Group) -> None:
+        self._engine = engine
+        self._group = group
+        self._unfinished = {r.request_id for r in group.requests}
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        try:
+            item = await self._group.queue.get()
+        except BaseException:  # CancelledError: the consumer went away
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        index, out = item
+        if out.finished:
+            self._unfinished.discard(out.request_id)
+        return index, out
+
+    def close(self) -> None:
+        if self._unfinished:
+            self._engine.abort(tuple(self._unfinished))
+            self._unfinished.clear()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._commands: list[_Group | _Abort] = []  # guarded by _cond
+        self._stop_thread = False  # guarded by _cond
+        self._admitting = True
+        self._owners: dict[str, tuple[_Group, int]] = {}  # engine thread only: request id -> (group, index)
+        self._num_steps = 0
+        self.stats = EngineStats(num_kv_blocks_total=engine.block_manager.num_blocks)
+        self._thread = threading.Thread(target=self._run, name="nextoken-engine", daemon=True)
+
+    # --- caller side (any thread, usually the event loop's) ---------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_admitting(self) -> bool:
+        return self._admitting
+
+    async def add(self, requests: Sequence[SubRequest]) -> RequestStream:
+        """Admit several requests as one unit and return the stream of their outputs.
+
+        Admission is all or nothing: if one add fails (PromptTooLong, EngineBusy, EngineStopped, ...) the others are
+        withdrawn and the error is raised here. A caller cancelled while waiting leaves nothing behind.
+        """
+        if not self._admitting:
+            raise EngineStopped("the server is shutting down and admits no new requests")
+        group = _Group(asyncio.get_running_loop(), asyncio.Queue(), list(requests))
+        stream = RequestStream(self, group)
+        self._submit(group)
+        try:
+            await asyncio.wrap_future(group.added)
+        except BaseException:
+            stream.close()  # cancelled after the engine thread took the add: withdraw (harmless otherwise)
+            raise
+        return stream
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Run one request, yielding its RequestOutput deltas (the last has `finished` set); add errors are raised
+        at the first iteration. Leaving early (break, GeneratorExit, CancelledError) aborts the request."""
+        stream = await self.add([SubRequest(request_id, prompt_ids, params)])
+        try:
+            async for _, out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self._submit(_Abort(tuple(request_ids)))
+
+    async def shutdown(self, drain_timeout: float) -> None:
+        """Stop admitting, let in-flight requests finish within `drain_timeout` seconds, abort the rest, stop."""
+        self._admitting = False
+        deadline = time.monotonic() + drain_timeout
+        while time.monotonic() < deadline and self._thread.is_alive() and (self.stats.num_unfinished or
+                                                                            self._has_commands()):
+            await asyncio.sleep(0.02)
+        with self._cond:
+            self._stop_thread = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            await asyncio.to_thread(self._thread.join)
+
+    def _has_commands(self) -> bool:
+        with self._cond:
+            return bool(self._commands)
+
+    def _submit(self, command: _Group | _Abort) -> None:
+        with self._cond:
+            self._commands.append(command)
+            self._cond.notify()
+
+    # --- engine thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        busy = False
+        while True:
+            with self._cond:
+                while not self._commands and not self._stop_thread and not self.engine.has_unfinished():
+                    self._cond.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stop_thread
+            for command in commands:
+                if isinstance(command, _Abort):
+                    self._abort(command.request_ids)
+                else:
+                    self._add(command, refuse=stopping or not self._admitting)
+            if stopping:
+                self._abort_all(EngineStopped("the server shut down before this request finished"))
+                self._publish()
+                return
+            if self.engine.has_unfinished():
+                self._step()
+                busy = True
+            if busy and not self.engine.has_unfinished():  # just became idle: a cheap moment to check the books
+                self._check_idle()
+                busy = False
+            self._publish()
+
+    def _add(self, group: _Group, refuse: bool) -> None:
+        if not group.added.set_running_or_notify_cancel():
+            return  # the caller went away before its requests were added
+        added: list[str] = []
+        try:
+            if refuse:
+                raise EngineStopped("the server is shutting down and admits no new requests")
+            for index, sub in enumerate(group.requests):
+                self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)
+                added.append(sub.request_id)
+                self._owners[sub.request_id] = (group, index)
+        except Exception as exc:  # NextokenError for the caller; anything else is failed the same way, not raised
+            self._abort(added)
+            group.added.set_exception(exc)
+        else:
+            group.added.set_result(None)
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        for request_id in request_ids:
+            self._owners.pop(request_id, None)
+            self.engine.abort(request_id)
+
+    def _abort_all(self, reason: BaseException) -> None:
+        groups = {id(g): g for g, _ in self._owners.values()}
+        self._abort(list(self._owners))
+        for group in groups.values():
+            self._deliver(group, reason)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a forward-pass failure touches the whole batch: fail what is in the engine
+            log.error("engine step failed (%s: %s); failing %d requests", type(exc).__name__,
+                      str(exc).encode("unicode_escape").decode()[:200], len(self._owners))
+            self._abort_all(EngineFailure("the engine failed while generating this request"))
+            self._abort([r.request_id for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)])
+            return
+        self._num_steps += 1
+        for out in outputs:
+            owner = self._owners.get(out.request_id)
+            if owner is None:
+                continue  # aborted between the step's start and now
+            group, index = owner
+            if out.finished:
+                del self._owners[out.request_id]
+            if out.finish_reason == "error":
+                self._abort([r.request_id for r in group.requests])
+                self._deliver(group, EngineFailure("the engine failed while generating this request"))
+            elif not self._deliver(group, (index, out)):
+                self._abort([r.request_id for r in group.requests])
+
+    def _deliver(self, group: _Group, item: tuple[int, RequestOutput] | BaseException) -> bool:
+        try:
+            group.loop.call_soon_threadsafe(group.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening any more
+            return False
+        return True
+
+    def _check_idle(self) -> None:
+        """With nothing running every block must be unreferenced; a leak is logged, not raised (the loop goes on)."""
+        try:
+            self.engine.block_manager.check_integrity(expected_refs={})
+        except AssertionError as exc:
+            log.error("KV block bookkeeping is inconsistent at idle: %s", exc)
+
+    def _publish(self) -> None:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        self.stats = EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                                 num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks_total=blocks.num_blocks,
+                                 num_steps=self._num_steps)

@@ -1,0 +1,215 @@
+"""The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE),
+/tokenize, /detokenize, /health, /metrics.
+
+`create_app` loads the model and wraps its LLMEngine in an AsyncEngine whose thread runs for the app's lifespan.
+Invariants: every error is an OpenAI error object with the right status and no traceback or path; a request whose
+client goes away is aborted (its KV blocks are free after the next engine pass); the served model answers to its
+registry name and to the id /v1/models lists, any other name is a 404; after `drain` (SIGTERM) every POST is a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from nextoken.config import EngineConfig
+from nextoken.engine.async_engine import AsyncEngine, RequestStream
+from nextoken.engine.engine import LLMEngine
+from nextoken.engine.request import RequestOutput
+from nextoken.errors import NextokenError
+from nextoken.loader.registry import REGISTRY
+from nextoken.server.errors import ApiError, api_error_from, error_body, error_response
+from nextoken.server.generation import Choices, Job, prepare, render_messages
+from nextoken.server.metrics import ServerMetrics
+from nextoken.server.middleware import GuardMiddleware
+from nextoken.server.protocol import (
+    MAX_BODY_BYTES,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    RequestT,
+    TokenizeRequest,
+    parse_request,
+)
+from nextoken.server.streaming import EventStream, json_response, sse, unless_disconnected
+
+DRAIN_TIMEOUT_S = 30.0  # how long SIGTERM lets in-flight requests run before aborting them
+
+
+@dataclass
+class ServerState:
+    """What the routes share; `app.state.nextoken` holds it."""
+
+    engine: LLMEngine
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    model_names: frozenset[str]
+    created: int = field(default_factory=lambda: int(time.time()))
+    draining: bool = False
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting (POSTs get 503), let in-flight requests finish within `timeout`, abort the rest."""
+        self.draining = True
+        await self.async_engine.shutdown(timeout)
+
+
+def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engine: LLMEngine | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The app for one model. `engine`: an LLMEngine already built from `engine_config` (tests share one)."""
+    llm_engine = engine if engine is not None else LLMEngine(engine_config)
+    names = {llm_engine.model_name}
+    if engine_config.model in REGISTRY:
+        names.add(engine_config.model)
+    state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.async_engine.start()
+        yield
+        await state.async_engine.shutdown(0.0)  # after a drain: already stopped; otherwise abort what is left
+
+    app = FastAPI(title="nextoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.nextoken = state
+    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=state.metrics,
+                       is_draining=lambda: state.draining)
+
+    @app.exception_handler(ApiError)
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = "no such route" if exc.status_code == 404 else str(exc.detail)
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return Response(error_body(503, "draining"), status_code=503, media_type="application/json")
+        return json_response({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(state.async_engine.stats),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return json_response({"object": "list", "data": [{
+            "id": llm_engine.model_name, "object": "model", "created": state.created, "owned_by": "nextoken",
+            "max_model_len": llm_engine.max_model_len}]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, await _parse(state, request, CompletionRequest))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(state, request, await _parse(state, request, ChatCompletionRequest))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = await _parse(state, request, TokenizeRequest)
+        if body.messages is not None:
+            messages = body.messages
+            add_prompt = body.add_generation_prompt is not False
+            ids = await asyncio.to_thread(render_messages, llm_engine, messages, add_prompt)
+        else:
+            ids = await asyncio.to_thread(_encode, llm_engine, body.prompt or "", body.add_special_tokens)
+        return json_response({"tokens": ids, "count": len(ids), "max_model_len": llm_engine.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = await _parse(state, request, DetokenizeRequest)
+        vocab = llm_engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        return json_response({"prompt": llm_engine.tokenizer.decode(body.tokens)})
+
+    return app
+
+
+def _encode(engine: LLMEngine, text: str, add_special_tokens: bool | None) -> list[int]:
+    try:
+        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens is not False)
+    except NextokenError as exc:
+        raise api_error_from(exc, param="prompt") from None
+
+
+async def _parse(state: ServerState, request: Request, model: type[RequestT]) -> RequestT:
+    body = parse_request(await request.body(), request.headers.get("content-type"), model)
+    if body.model not in state.model_names:
+        raise ApiError(404, f"the model {body.model!r} does not exist; this server serves "
+                            f"{state.engine.model_name!r}", param="model", code="model_not_found")
+    return body
+
+
+async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest
+                    ) -> Response:
+    kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    job = await asyncio.to_thread(prepare, state.engine, body, kind)  # tokenizing may take a while: off the loop
+    try:
+        stream = await state.async_engine.add(job.requests)
+    except NextokenError as exc:
+        raise api_error_from(exc) from None
+    state.metrics.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
+    choices = Choices(job, state.engine)
+    if job.stream:
+        return EventStream(_events(state, job, stream, choices))
+    try:
+        finished, result = await unless_disconnected(request.receive, _collect(state, job, stream, choices))
+    finally:
+        stream.close()  # a no-op when all finished; otherwise (cancelled, failed) aborts what is left
+    if not finished:
+        return Response(status_code=499)  # nobody is listening; the counter records it as "client closed"
+    return json_response(result)
+
+
+async def _collect(state: ServerState, job: Job, stream: RequestStream, choices: Choices) -> dict[str, Any]:
+    async with stream:
+        try:
+            async for index, out in stream:
+                _record(state, job, choices, index, out)
+        except NextokenError as exc:
+            raise api_error_from(exc) from None
+    return choices.response()
+
+
+async def _events(state: ServerState, job: Job, stream: RequestStream, choices: Choices) -> AsyncIterator[bytes]:
+    """SSE chunks: the role (chat), text deltas, finish reasons, usage when asked, then `[DONE]`."""
+    async with stream:
+        role = choices.role_chunk()
+        if role is not None:
+            yield sse(role)
+        try:
+            async for index, out in stream:
+                _record(state, job, choices, index, out)
+                chunk = choices.delta_chunk(index, out)
+                if chunk is not None:
+                    yield sse(chunk)
+        except NextokenError as exc:  # the status line is sent already: report the error in the stream
+            error = api_error_from(exc)
+            yield b"data: " + error_body(error.status, error.message) + b"\n\n"
+        else:
+            if job.include_usage:
+                yield sse(choices.usage_chunk())
+    yield sse("[DONE]")
+
+
+def _record(state: ServerState, job: Job, choices: Choices, index: int, out: RequestOutput) -> None:
+    choices.add(index, out)
+    metrics, choice = state.metrics, choices.choices[index]
+    metrics.generation_tokens.inc(len(out.new_token_ids))
+    if out.new_token_ids and choice.num_tokens == len(out.new_token_ids) and choice.first_token_at is not None:
+        metrics.ttft.observe(choice.first_token_at - job.arrival)
+    if out.finished and choice.num_tokens > 1 and choice.first_token_at is not None:
+        metrics.tpot.observe((time.perf_counter() - choice.first_token_at) / (choice.num_tokens - 1))

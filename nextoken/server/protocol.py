@@ -1,0 +1,299 @@
+"""OpenAI request and response bodies for /v1/completions, /v1/chat/completions (and their stream chunks),
+/tokenize and /detokenize.
+
+Request models are strict and closed: a field nextoken does not implement (tools, response_format, logit_bias,
+best_of, echo, suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
+(no "5" for 5). `user` is accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on
+generation, and nextoken neither uses nor logs it. Extensions beyond OpenAI's fields, with vLLM's names: top_k,
+min_p, repetition_penalty, ignore_eos, stop_token_ids. Ranges are checked by SamplingParams, which names the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nextoken.sampling_params import MAX_N, SamplingParams
+from nextoken.server.errors import ApiError
+
+MAX_BODY_BYTES = 1 << 20  # larger bodies are refused with 413 before they are read
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
+
+Prompt = str | list[str] | list[int] | list[list[int]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool | None = None
+
+
+class TextPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+
+
+class _GenerationRequest(_Request):
+    """Fields shared by completions and chat completions; None means "not given" (the default applies)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None  # metadata only, see the module docstring
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    @property
+    def num_choices(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return None
+
+    def check(self) -> None:
+        """Cross-field rules pydantic's types cannot say."""
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed together with stream=true", param="stream_options")
+        if not 1 <= self.num_choices <= MAX_N:
+            raise ApiError(400, f"invalid n={self.n}: must be between 1 and {MAX_N}", param="n")
+
+    def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
+        """The params of one engine request (one choice): n is fanned out by the server, `seed` is per choice."""
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
+            top_k=given(self.top_k, 0), min_p=given(self.min_p, 0.0),
+            repetition_penalty=given(self.repetition_penalty, 1.0),
+            presence_penalty=given(self.presence_penalty, 0.0), frequency_penalty=given(self.frequency_penalty, 0.0),
+            seed=seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=given(self.ignore_eos, False), logprobs=self.num_logprobs())
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: Prompt
+    logprobs: int | None = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ApiError(400, f"max_tokens={self.max_tokens} and max_completion_tokens="
+                                f"{self.max_completion_tokens} disagree; give one of them", param="max_tokens")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Request):
+    model: str
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # prompt only; default true (the model file's BOS/EOS rules)
+    add_generation_prompt: bool | None = None  # messages only; default true
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        if self.messages is not None and self.add_special_tokens is not None:
+            raise ApiError(400, "add_special_tokens applies to prompt only", param="add_special_tokens")
+        if self.prompt is not None and self.add_generation_prompt is not None:
+            raise ApiError(400, "add_generation_prompt applies to messages only", param="add_generation_prompt")
+
+
+class DetokenizeRequest(_Request):
+    model: str
+    tokens: list[int]
+
+    def check(self) -> None:
+        pass
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: Delta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# --- parsing -----------------------------------------------------------------------------------------------------
+
+RequestT = TypeVar("RequestT", CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+_UNION_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_request(body: bytes, content_type: str | None, model: type[RequestT]) -> RequestT:
+    """A request body -> a validated model, or ApiError: 415 (not JSON), 400 (bad UTF-8, bad JSON, bad fields).
+
+    Messages about malformed bodies describe the problem without quoting the body back.
+    """
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, "the request body must be JSON, sent with Content-Type: application/json")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte offset {exc.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant)  # NaN and Infinity are not JSON numbers
+    except (ValueError, RecursionError) as exc:
+        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ApiError(400, f"the request body is not valid JSON{where}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        request = model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    request.check()
+    return request
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    error = exc.errors(include_url=False, include_input=False)[0]
+    # A union's alternatives appear in `loc` as type names ("str", "list[int]"); keep field names and indices.
+    loc = error["loc"]
+    parts = [p for p in loc if isinstance(p, int) or p in _FIELD_NAMES]
+    if error["type"] == "extra_forbidden":
+        parts = [p for p in parts if p != loc[-1]] + [loc[-1]]  # the unknown field itself is no known name
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".") or None
+    field = next((p for p in reversed(parts) if isinstance(p, str)), None)
+    if error["type"] == "extra_forbidden":
+        return ApiError(400, f"unsupported field {param!r}: nextoken does not implement it", param=param)
+    if error["type"] == "missing":
+        return ApiError(400, f"missing required field {param!r}", param=param)
+    if field in _UNION_HINTS and error["type"] in ("string_type", "int_type", "list_type", "model_type",
+                                                   "literal_error", "dict_type"):
+        return ApiError(400, f"invalid {param}: must be {_UNION_HINTS[field]}", param=param)
+    return ApiError(400, f"invalid {param}: {error['msg']}", param=param)
+
+
+_FIELD_NAMES = frozenset(name for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
+                                        DetokenizeRequest, ChatMessage, TextPart, StreamOptions)
+                         for name in m.model_fields)

@@ -1,0 +1,150 @@
+"""The OpenAI API as the official `openai` client sees it, against a real server process on the tiny model:
+chat and completions, streaming or not, usage, stop strings, n > 1, logprobs, tokenize/detokenize, and 32
+concurrent streams that each get exactly their greedy output alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import ServerProcess, wait_idle
+
+GREEDY = {"temperature": 0.0}
+PROMPTS = ["the cat sat on the mat", "hello there", "in the beginning", "seven seas", "on at en", "a"]
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=30)
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, server: ServerProcess) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model] == ["tiny-llama"]
+
+
+def test_completion_matches_stream_and_usage(client: openai.OpenAI, server: ServerProcess) -> None:
+    full = client.completions.create(model=server.model, prompt="the cat", max_tokens=12, **GREEDY,
+                                     extra_body={"ignore_eos": True})
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.index == 0 and choice.text
+    assert full.usage is not None and full.usage.completion_tokens == 12
+    prompt_ids = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "the cat"}).json()
+    assert full.usage.prompt_tokens == prompt_ids["count"]
+
+    chunks = list(client.completions.create(model=server.model, prompt="the cat", max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY,
+                                            extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_non_streaming_equals_streaming(client: openai.OpenAI, server: ServerProcess) -> None:
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    full = client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=10,
+                                          **GREEDY)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=10, stream=True,
+                                            **GREEDY)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_stop_string_cuts_the_text(client: openai.OpenAI, server: ServerProcess) -> None:
+    base = client.completions.create(model=server.model, prompt="hello there", max_tokens=30, **GREEDY,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = base[5:8]
+    assert len(stop) == 3 and stop in base
+    for stream in (False, True):
+        result = client.completions.create(model=server.model, prompt="hello there", max_tokens=30, stop=[stop],
+                                           stream=stream, **GREEDY, extra_body={"ignore_eos": True})
+        if stream:
+            parts = [(c.choices[0].text, c.choices[0].finish_reason) for c in result]
+            text, reason = "".join(p for p, _ in parts), parts[-1][1]
+        else:
+            text, reason = result.choices[0].text, result.choices[0].finish_reason
+        assert text == base[:base.index(stop)] and reason == "stop"
+
+
+def test_n_choices_are_indexed_and_seeded(client: openai.OpenAI, server: ServerProcess) -> None:
+    kwargs = dict(model=server.model, prompt="the cat", max_tokens=8, n=3, temperature=5.0, seed=7,
+                  extra_body={"ignore_eos": True})
+    first = client.completions.create(**kwargs)
+    assert sorted(c.index for c in first.choices) == [0, 1, 2]
+    assert first.usage is not None and first.usage.completion_tokens == 24
+    again = client.completions.create(**kwargs)
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]  # seed + i per choice
+    assert len({c.text for c in first.choices}) > 1
+    single = client.completions.create(**{**kwargs, "n": 1, "seed": 8})
+    assert single.choices[0].text == first.choices[1].text
+    streamed = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5, n=2, stream=True, **GREEDY)
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]
+
+
+def test_multiple_prompts_and_token_prompts(client: openai.OpenAI, server: ServerProcess) -> None:
+    ids = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "seven seas"}).json()["tokens"]
+    out = client.completions.create(model=server.model, prompt=["seven seas", "hello"], max_tokens=6, **GREEDY)
+    by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=6, **GREEDY)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert by_ids.choices[0].text == out.choices[0].text
+    text = httpx.post(server.url + "/detokenize", json={"model": server.model, "tokens": ids}).json()["prompt"]
+    assert text == "seven seas"
+
+
+def test_logprobs(client: openai.OpenAI, server: ServerProcess) -> None:
+    out = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=4, logprobs=True, top_logprobs=3, **GREEDY,
+                                         extra_body={"ignore_eos": True})
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-5  # greedy: the chosen one is the best
+
+
+def test_tokenize_messages_matches_chat_usage(client: openai.OpenAI, server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "what <|im_end|> is"}]
+    tokens = httpx.post(server.url + "/tokenize", json={"model": server.model, "messages": messages}).json()
+    out = client.chat.completions.create(model=server.model, messages=messages, max_tokens=1, **GREEDY)
+    assert out.usage is not None and out.usage.prompt_tokens == tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 1024
+    assert tokens["tokens"].count(2) == 1  # <|im_end|> typed by the user stays text; the template's is one
+
+
+def test_32_concurrent_streams_match_their_greedy_output_alone(server: ServerProcess) -> None:
+    params = dict(model=server.model, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True})
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)
+        alone = {}
+        for prompt in PROMPTS:
+            out = await client.completions.create(prompt=prompt, **params)
+            alone[prompt] = out.choices[0].text
+
+        async def stream(prompt: str) -> str:
+            parts = []
+            async for chunk in await client.completions.create(prompt=prompt, stream=True, **params):
+                parts.append(chunk.choices[0].text)
+            return "".join(parts)
+
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+        results = await asyncio.gather(*(stream(p) for p in prompts))
+        assert results == [alone[p] for p in prompts]
+        await client.close()
+
+    asyncio.run(run())
+    wait_idle(server)
