@@ -163,6 +163,10 @@ class LLM:
             for rid in texts:
                 if rid not in done:
                     engine.abort(rid)
+        failed = [rid for rid, req in done.items() if req.finish_reason == "error"]
+        if failed:
+            raise NextokenError(f"generation failed inside the engine for request(s) {', '.join(failed)}; "
+                                "see the nextoken.engine log")
         results = []
         for (prompt, ids), group in zip(items, groups):
             reqs = [done[rid] for rid in group]

@@ -15,7 +15,7 @@ import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from nextoken.engine.engine import EngineBusy, LLMEngine
@@ -123,11 +123,14 @@ class RequestStream:
 
 
 class AsyncEngine:
+    """An LLMEngine on its own thread: `add` / `generate` from asyncio, `abort`, `stats`, `shutdown`."""
+
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
         self._commands: list[_Group | _Abort] = []  # guarded by _cond
         self._stop_thread = False  # guarded by _cond
+        self._num_in_hand = 0  # guarded by _cond: commands taken by the engine thread, not yet in `stats`
         self._admitting = True
         self._owners: dict[str, tuple[_Group, int]] = {}  # engine thread only: request id -> (group, index)
         self._num_steps = 0
@@ -142,6 +145,11 @@ class AsyncEngine:
     @property
     def is_admitting(self) -> bool:
         return self._admitting
+
+    @property
+    def is_running(self) -> bool:
+        """The engine thread is alive (False before start, after shutdown, or if its loop died)."""
+        return self._thread.is_alive()
 
     async def add(self, requests: Sequence[SubRequest]) -> RequestStream:
         """Admit several requests as one unit and return the stream of their outputs.
@@ -162,7 +170,7 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+                       request_id: str) -> AsyncGenerator[RequestOutput, None]:
         """Run one request, yielding its RequestOutput deltas (the last has `finished` set); add errors are raised
         at the first iteration. Leaving early (break, GeneratorExit, CancelledError) aborts the request."""
         stream = await self.add([SubRequest(request_id, prompt_ids, params)])
@@ -189,8 +197,9 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
 
     def _has_commands(self) -> bool:
+        """Commands not yet reflected in `stats`: queued, or taken by the engine thread and still in hand."""
         with self._cond:
-            return bool(self._commands)
+            return bool(self._commands) or self._num_in_hand > 0
 
     def _submit(self, command: _Group | _Abort) -> None:
         with self._cond:
@@ -200,12 +209,26 @@ class AsyncEngine:
     # --- engine thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug in this loop: fail every caller rather than leave them waiting forever
+            log.error("engine loop died (%s); failing all requests", type(exc).__name__)
+            self._admitting = False
+            with self._cond:
+                commands, self._commands = self._commands, []
+            for command in commands:
+                if isinstance(command, _Group) and command.added.set_running_or_notify_cancel():
+                    command.added.set_exception(EngineFailure("the engine stopped unexpectedly"))
+            self._abort_all(lambda: EngineFailure("the engine stopped unexpectedly"))
+
+    def _loop(self) -> None:
         busy = False
         while True:
             with self._cond:
                 while not self._commands and not self._stop_thread and not self.engine.has_unfinished():
                     self._cond.wait()
                 commands, self._commands = self._commands, []
+                self._num_in_hand = len(commands)
                 stopping = self._stop_thread
             for command in commands:
                 if isinstance(command, _Abort):
@@ -213,9 +236,12 @@ class AsyncEngine:
                 else:
                     self._add(command, refuse=stopping or not self._admitting)
             if stopping:
-                self._abort_all(EngineStopped("the server shut down before this request finished"))
+                self._abort_all(lambda: EngineStopped("the server shut down before this request finished"))
                 self._publish()
                 return
+            self._publish()
+            with self._cond:
+                self._num_in_hand = 0  # their effect is in the stats now: a drain that looks sees them
             if self.engine.has_unfinished():
                 self._step()
                 busy = True
@@ -246,11 +272,12 @@ class AsyncEngine:
             self._owners.pop(request_id, None)
             self.engine.abort(request_id)
 
-    def _abort_all(self, reason: BaseException) -> None:
+    def _abort_all(self, reason: Callable[[], BaseException]) -> None:
+        """Abort every request and send each group its own exception (one instance per raising task)."""
         groups = {id(g): g for g, _ in self._owners.values()}
         self._abort(list(self._owners))
         for group in groups.values():
-            self._deliver(group, reason)
+            self._deliver(group, reason())
 
     def _step(self) -> None:
         try:
@@ -258,7 +285,7 @@ class AsyncEngine:
         except Exception as exc:  # a forward-pass failure touches the whole batch: fail what is in the engine
             log.error("engine step failed (%s: %s); failing %d requests", type(exc).__name__,
                       str(exc).encode("unicode_escape").decode()[:200], len(self._owners))
-            self._abort_all(EngineFailure("the engine failed while generating this request"))
+            self._abort_all(lambda: EngineFailure("the engine failed while generating this request"))
             self._abort([r.request_id for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)])
             return
         self._num_steps += 1

@@ -35,9 +35,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        # One fused op (same formula, same float32 result as the three-step form the reference writes out).
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -55,6 +54,8 @@ class RotaryEmbedding(nn.Module):
         self.scaling_factor = rope.scaling_factor if rope.scaling_type == "linear" else 1.0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._last_positions: torch.Tensor | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor] = (self._cos, self._sin)
 
     def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._cos.shape[0] < length or self._cos.device != device:
@@ -69,10 +70,16 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim]; positions [num_tokens]."""
-        cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
-        cos = cos_table[positions].unsqueeze(1)  # [num_tokens, 1, dim/2]
-        sin = sin_table[positions].unsqueeze(1)
+        cos, sin = self._lookup(positions)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of one forward pass passes the same positions tensor: gather cos/sin once, not per layer.
+        if positions is not self._last_positions:
+            cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
+            self._last_positions = positions
+            self._last = (cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1))  # [tokens, 1, dim/2]
+        return self._last
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = self.dim // 2

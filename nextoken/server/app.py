@@ -27,7 +27,7 @@ from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.loader.registry import REGISTRY
 from nextoken.server.errors import ApiError, api_error_from, error_body, error_response
-from nextoken.server.generation import Choices, Job, prepare, render_messages
+from nextoken.server.generation import Choices, Job, Kind, prepare, render_messages
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.middleware import GuardMiddleware
 from nextoken.server.protocol import (
@@ -92,8 +92,9 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
 
     @app.get("/health")
     async def health() -> Response:
-        if state.draining:
-            return Response(error_body(503, "draining"), status_code=503, media_type="application/json")
+        if state.draining or not state.async_engine.is_running:
+            message = "draining" if state.draining else "the engine is not running"
+            return Response(error_body(503, message), status_code=503, media_type="application/json")
         return json_response({"status": "ok"})
 
     @app.get("/metrics")
@@ -155,7 +156,7 @@ async def _parse(state: ServerState, request: Request, model: type[RequestT]) ->
 
 async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest
                     ) -> Response:
-    kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
     job = await asyncio.to_thread(prepare, state.engine, body, kind)  # tokenizing may take a while: off the loop
     try:
         stream = await state.async_engine.add(job.requests)

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from nextoken.sampling_params import MAX_N, SamplingParams
+from nextoken.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from nextoken.server.errors import ApiError
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies are refused with 413 before they are read
@@ -119,6 +119,9 @@ class ChatCompletionRequest(_GenerationRequest):
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"invalid top_logprobs={self.top_logprobs}: must be between 0 and {MAX_LOGPROBS}",
+                           param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
 

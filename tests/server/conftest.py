@@ -1,7 +1,8 @@
 """Real `python -m nextoken serve` processes on 127.0.0.1 for the server tests, always cleaned up.
 
 The tiny generated Llama (random weights, a 1024-token context so some requests can run for a second or two) keeps
-them fast; `ServerProcess` reads the URL the server prints when ready (it binds port 0: the OS picks a free one).
+them fast; `ServerProcess` reads the URL the server prints when ready. Every process is stopped by the finalizer of
+the fixture that started it.
 """
 
 from __future__ import annotations
@@ -29,14 +30,19 @@ _READY = re.compile(r"serving (\S+) at (http://\S+)/v1")
 class ServerProcess:
     """One server subprocess: `url`, `model` (the served id), `log` (its stderr), `stop()`."""
 
-    def __init__(self, model: str, *args: str, log_dir: Path, startup_timeout: float = 90.0) -> None:
+    def __init__(self, model: str, *args: str, log_dir: Path, wait: bool = True) -> None:
         self.log = log_dir / f"server-{time.monotonic_ns()}.log"
         cmd = [sys.executable, "-m", "nextoken", "serve", "--model", model, "--port", "0", "--device", "cpu",
                "--dtype", "float32", *args]
         with open(self.log, "wb") as err:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + startup_timeout
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self, timeout: float = 90.0) -> None:
+        """Until the server prints its URL (it binds port 0: the OS picks a free port)."""
+        deadline = time.monotonic() + timeout
         line = ""
         assert self.proc.stdout is not None
         while time.monotonic() < deadline:
@@ -92,20 +98,32 @@ def spawn_server(server_logs: Path) -> Iterator[Callable[..., ServerProcess]]:
 
 
 @pytest.fixture(scope="session")
-def server(tiny_model: Path, server_logs: Path) -> Iterator[ServerProcess]:
-    """The shared open server: no API key, a roomy queue."""
-    proc = ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), log_dir=server_logs)
-    yield proc
-    proc.stop()
+def _tiny_servers(tiny_model: Path, server_logs: Path) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """Both shared servers, started side by side (each spends seconds importing torch)."""
+    launched = [
+        ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), log_dir=server_logs, wait=False),
+        ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), "--api-key", API_KEY,
+                      "--max-num-seqs", "1", "--max-waiting", "1", log_dir=server_logs, wait=False),
+    ]
+    try:
+        for proc in launched:
+            proc.wait_ready()
+        yield launched[0], launched[1]
+    finally:
+        for proc in launched:
+            proc.stop()
 
 
 @pytest.fixture(scope="session")
-def guarded_server(tiny_model: Path, server_logs: Path) -> Iterator[ServerProcess]:
+def server(_tiny_servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
+    """The shared open server: no API key, a roomy queue."""
+    return _tiny_servers[0]
+
+
+@pytest.fixture(scope="session")
+def guarded_server(_tiny_servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
     """An API key, one running request and one waiting at most: the third concurrent request is refused."""
-    proc = ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), "--api-key", API_KEY,
-                         "--max-num-seqs", "1", "--max-waiting", "1", log_dir=server_logs)
-    yield proc
-    proc.stop()
+    return _tiny_servers[1]
 
 
 def metric(server: ServerProcess, name: str, headers: dict[str, str] | None = None) -> float:

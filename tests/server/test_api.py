@@ -5,6 +5,7 @@ concurrent streams that each get exactly their greedy output alone."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import openai
@@ -12,7 +13,7 @@ import pytest
 
 from tests.server.conftest import ServerProcess, wait_idle
 
-GREEDY = {"temperature": 0.0}
+GREEDY: dict[str, Any] = {"temperature": 0.0}
 PROMPTS = ["the cat sat on the mat", "hello there", "in the beginning", "seven seas", "on at en", "a"]
 
 
@@ -45,8 +46,9 @@ def test_completion_matches_stream_and_usage(client: openai.OpenAI, server: Serv
 
 
 def test_chat_non_streaming_equals_streaming(client: openai.OpenAI, server: ServerProcess) -> None:
-    messages = [{"role": "system", "content": "be brief"},
-                {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
+    messages: list[Any] = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]}]
     full = client.chat.completions.create(model=server.model, messages=messages, max_completion_tokens=10,
                                           **GREEDY)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
@@ -64,20 +66,17 @@ def test_stop_string_cuts_the_text(client: openai.OpenAI, server: ServerProcess)
                                      extra_body={"ignore_eos": True}).choices[0].text
     stop = base[5:8]
     assert len(stop) == 3 and stop in base
-    for stream in (False, True):
-        result = client.completions.create(model=server.model, prompt="hello there", max_tokens=30, stop=[stop],
-                                           stream=stream, **GREEDY, extra_body={"ignore_eos": True})
-        if stream:
-            parts = [(c.choices[0].text, c.choices[0].finish_reason) for c in result]
-            text, reason = "".join(p for p, _ in parts), parts[-1][1]
-        else:
-            text, reason = result.choices[0].text, result.choices[0].finish_reason
-        assert text == base[:base.index(stop)] and reason == "stop"
+    kwargs: dict[str, Any] = dict(model=server.model, prompt="hello there", max_tokens=30, stop=[stop], **GREEDY,
+                                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs).choices[0]
+    assert whole.text == base[:base.index(stop)] and whole.finish_reason == "stop"
+    parts = [c.choices[0] for c in client.completions.create(**kwargs, stream=True)]
+    assert "".join(p.text for p in parts) == whole.text and parts[-1].finish_reason == "stop"
 
 
 def test_n_choices_are_indexed_and_seeded(client: openai.OpenAI, server: ServerProcess) -> None:
-    kwargs = dict(model=server.model, prompt="the cat", max_tokens=8, n=3, temperature=5.0, seed=7,
-                  extra_body={"ignore_eos": True})
+    kwargs: dict[str, Any] = dict(model=server.model, prompt="the cat", max_tokens=8, n=3, temperature=5.0, seed=7,
+                                  extra_body={"ignore_eos": True})
     first = client.completions.create(**kwargs)
     assert sorted(c.index for c in first.choices) == [0, 1, 2]
     assert first.usage is not None and first.usage.completion_tokens == 24
@@ -117,7 +116,7 @@ def test_logprobs(client: openai.OpenAI, server: ServerProcess) -> None:
 
 
 def test_tokenize_messages_matches_chat_usage(client: openai.OpenAI, server: ServerProcess) -> None:
-    messages = [{"role": "user", "content": "what <|im_end|> is"}]
+    messages: list[Any] = [{"role": "user", "content": "what <|im_end|> is"}]
     tokens = httpx.post(server.url + "/tokenize", json={"model": server.model, "messages": messages}).json()
     out = client.chat.completions.create(model=server.model, messages=messages, max_tokens=1, **GREEDY)
     assert out.usage is not None and out.usage.prompt_tokens == tokens["count"] == len(tokens["tokens"])
@@ -126,7 +125,7 @@ def test_tokenize_messages_matches_chat_usage(client: openai.OpenAI, server: Ser
 
 
 def test_32_concurrent_streams_match_their_greedy_output_alone(server: ServerProcess) -> None:
-    params = dict(model=server.model, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True})
+    params: dict[str, Any] = dict(model=server.model, max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True})
 
     async def run() -> None:
         client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60)

@@ -27,7 +27,7 @@ def _engine(model: Path, **options: Any) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, **options))
 
 
-def _run(engine: LLMEngine, body: Callable[[AsyncEngine], Coroutine[Any, Any, None]]) -> AsyncEngine:
+def _run(engine: LLMEngine, body: Callable[[AsyncEngine], Coroutine[Any, Any, None]]) -> None:
     async def main() -> None:
         async_engine = AsyncEngine(engine)
         async_engine.start()
@@ -116,7 +116,7 @@ def test_a_failing_request_fails_alone(tiny_llama: Path, alone: dict[str, list[i
             raise RuntimeError("injected fault in detokenization")
         return accept(live, *args)
 
-    engine._accept = faulty  # type: ignore[method-assign]
+    engine._accept = faulty  # type: ignore[method-assign,assignment]
 
     async def body(ae: AsyncEngine) -> None:
         good = [_tokens(ae.generate(engine.tokenizer.encode(p), GREEDY, f"ok{i}")) for i, p in enumerate(PROMPTS)]
@@ -139,7 +139,7 @@ def test_a_failing_step_fails_its_batch_and_the_loop_goes_on(tiny_llama: Path, a
             raise RuntimeError("injected forward failure")
         return execute(*args)
 
-    engine.runner.execute = faulty  # type: ignore[method-assign]
+    engine.runner.execute = faulty  # type: ignore[method-assign,assignment]
 
     async def body(ae: AsyncEngine) -> None:
         with pytest.raises(EngineFailure):

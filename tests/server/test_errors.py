@@ -5,6 +5,7 @@ carry a traceback or a path."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -52,7 +53,8 @@ def _assert_clean(response: httpx.Response) -> None:
     ({"temperature": -1}, "temperature"),
     ({"top_k": -1}, "top_k"),
     ({"seed": -3}, "seed"),
-    ({"top_logprobs": 30, "logprobs": True}, "logprobs"),
+    ({"top_logprobs": 30, "logprobs": True}, "top_logprobs"),
+    ({"top_logprobs": 3}, "top_logprobs"),
     ({"stop_token_ids": [10**6]}, "stop_token_ids"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"messages": []}, "messages"),
@@ -179,3 +181,17 @@ def test_full_queue_is_503_with_retry_after(guarded_server: ServerProcess) -> No
         else:
             assert response.json()["usage"]["completion_tokens"] == 300
     wait_idle(guarded_server, headers=headers)
+
+
+def test_odd_text_in_messages(server: ServerProcess) -> None:
+    """NUL and bidi controls are ordinary text; a lone surrogate cannot be encoded: 400, and the server goes on."""
+    def chat(content: str) -> httpx.Response:
+        body = {"model": server.model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+        return _post(server, "/v1/chat/completions", json.dumps(body).encode())  # \ud800 escaped: valid JSON
+
+    assert chat("a\x00b \u202eevil\u202c <|im_start|>").status_code == 200
+    surrogate = chat("half \ud800 a pair")
+    assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "messages"
+    _assert_clean(surrogate)
+    assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
+    wait_idle(server)
