@@ -1,4 +1,4 @@
-"""The command line: run | chat | models | tokenize | detokenize.
+"""The command line: run | chat | serve | trace | models | tokenize | detokenize.
 
 Every user error (a NextokenError) prints one line on stderr and exits with code 2; nothing else is caught, so a
 traceback always means a bug in nextoken.
@@ -213,6 +213,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_trace(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nextoken.trace.command import TraceOptions, trace
+
+    prompt = _read_text(args.prompt, "prompt")
+    options = TraceOptions(model=args.model, dtype=args.dtype, device=args.device, raw=args.raw, system=args.system,
+                           top_k=args.top, html=Path(args.html) if args.html else None,
+                           compare=tuple(args.compare or ()))
+    return trace(prompt, _sampling_params(args), options)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from nextoken.config import EngineConfig
     from nextoken.server.bind import check_bind
@@ -269,6 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ids", nargs="+")
     _add_model(p)
     p.set_defaults(func=cmd_detokenize)
+    p = sub.add_parser("trace", help="run one prompt and show every stage: tokens, timings, candidates, cost")
+    p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
+    _add_engine(p)
+    _add_sampling(p)
+    p.set_defaults(max_tokens=16)  # a trace prints a table row per generated token
+    p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="a system message for the chat template")
+    p.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown per generated token")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
+    p.add_argument("--compare", nargs="+", default=None, metavar="SETTING",
+                   help='run the prompt under each setting, e.g. "temperature=0.2" "temperature=1.0,top_p=0.9" '
+                        '(put the prompt before --compare)')
+    p.set_defaults(func=cmd_trace)
+
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     _add_engine(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")

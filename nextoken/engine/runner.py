@@ -21,7 +21,7 @@ from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops.attention import AttentionMetadata
 
-logger = logging.getLogger("nextoken")
+logger = logging.getLogger("nextoken.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 MAX_KV_BYTES_DEFAULT = 1 << 30  # a default, not a limit: kv_cache_bytes can ask for more

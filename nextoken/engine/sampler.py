@@ -114,7 +114,8 @@ class Sampler:
             top_p=torch.tensor([p.top_p for p in ps], device=dev),
             min_p=torch.tensor([p.min_p for p in ps], device=dev),
         )
-        probs = filtered.softmax(dim=-1)
+        # Draws use each request's CPU generator (seeded requests repeat on any device), so the rows come to the CPU.
+        probs = filtered.softmax(dim=-1).cpu()
         out = list(argmax)
         for j, i in enumerate(idx):
             gen = rows[i].generator or self.default_generator

@@ -72,6 +72,7 @@ def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8
     if drain_timeout < 0:
         raise NextokenError(f"invalid drain timeout {drain_timeout}: must be >= 0 seconds")
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s", stream=sys.stderr)
+    logging.getLogger("nextoken").setLevel(logging.INFO)  # start-up facts: KV bytes per token, pool size
     app = create_app(engine_config, api_key=api_key)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                             server_header=False, timeout_keep_alive=5, timeout_graceful_shutdown=10)

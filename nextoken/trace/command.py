@@ -1,0 +1,65 @@
+"""`nextoken trace`: run one prompt untraced and then traced through the same engine, and show the traced run.
+
+The engine is built with prefix caching off: otherwise the untraced run would leave the prompt's blocks cached and
+the traced run would skip most of its prefill, and neither the timings nor the overhead would compare like with like.
+`--compare` instead runs the prompt once per sampling setting and prints them side by side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from nextoken.errors import NextokenError
+from nextoken.sampling_params import SamplingParams
+from nextoken.trace.report import make_console, print_compare, print_report
+from nextoken.trace.run import parse_setting, run_request
+from nextoken.trace.tracer import NullTracer, RecordingTracer
+
+
+@dataclass(frozen=True)
+class TraceOptions:
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    raw: bool = False
+    system: str | None = None
+    top_k: int = 5  # candidates shown per step
+    html: Path | None = None
+    compare: tuple[str, ...] = ()
+
+
+def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: Console | None = None) -> int:
+    from nextoken.llm import LLM
+    from nextoken.trace.cost import machine_peaks
+    from nextoken.trace.summary import summarize
+
+    if not 1 <= options.top_k <= 100:
+        raise NextokenError(f"invalid --top {options.top_k}: must be between 1 and 100")
+    if options.compare and options.html is not None:
+        raise NextokenError("--html and --compare cannot be combined: --html shows one traced run")
+    settings = [parse_setting(s, params) for s in options.compare]  # bad settings fail before the model loads
+    if options.html is not None and not options.html.parent.is_dir():
+        raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
+    console = console or make_console()
+    llm = LLM(options.model, dtype=options.dtype, device=options.device, enable_prefix_caching=False)
+    if settings:
+        runs = [run_request(llm, prompt, p, raw=options.raw, system=options.system,
+                            tracer=RecordingTracer(top_k=options.top_k)) for p in settings]
+        print_compare(console, llm, list(options.compare), runs)
+        return 0
+    baseline = run_request(llm, prompt, params, raw=options.raw, system=options.system, tracer=NullTracer())
+    tracer = RecordingTracer(top_k=options.top_k, capture_attention=options.html is not None)
+    run = run_request(llm, prompt, params, raw=options.raw, system=options.system, tracer=tracer)
+    runner = llm.engine.runner
+    weight_dtype = runner.model.layers[0].attn.qkv_proj.weight.dtype
+    summary = summarize(llm, run, baseline, machine_peaks(runner.device, weight_dtype))
+    print_report(console, llm, run, summary, options.top_k)
+    if options.html is not None:
+        from nextoken.trace.html import write_html
+
+        path = write_html(options.html, llm, run, summary)
+        console.print(f"\nwrote {path} ({path.stat().st_size / 1024:,.0f} KiB, self-contained)")
+    return 0

@@ -1,0 +1,71 @@
+"""What the sampler saw at one step: the raw next-token distribution and the one it actually drew from.
+
+The stages are the engine's own (`apply_penalties`, then temperature, top-k, top-p and min-p through
+`filter_logits`), called on a copy of the logits handed to the sampler, so the figures shown are those of the run
+and no second implementation can drift from it. Greedy requests draw the argmax: their final distribution is one-hot.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nextoken.engine.sampler import SamplingRow, apply_penalties, filter_logits
+from nextoken.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleRecord:
+    """One sampled position. Lists are aligned: `top_ids[i]` has raw_probs[i], temp_probs[i], final_probs[i]."""
+
+    token_id: int  # what the sampler drew
+    top_ids: list[int]  # the K most likely ids under the raw distribution
+    raw_probs: list[float]  # softmax of the model's logits
+    temp_probs: list[float]  # after penalties and temperature (greedy: after penalties)
+    final_probs: list[float]  # the distribution drawn from, after top-k, top-p and min-p
+    drawn_raw_prob: float
+    drawn_final_prob: float
+    drawn_rank: int  # 0 = the raw distribution's most likely token
+    entropy_raw: float  # bits
+    entropy_final: float  # bits
+    num_kept: int  # tokens left with a nonzero probability
+
+
+def entropy_bits(probs: torch.Tensor) -> float:
+    p = probs[probs > 0].double()
+    return max(0.0, float(-(p * p.log()).sum() / math.log(2)))  # max: a one-hot sums to -0.0
+
+
+def sampling_distributions(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
+                           output_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [vocab] fp32 -> (raw, after temperature, final) probabilities, each [vocab]."""
+    raw = logits.float().softmax(dim=-1)
+    x = logits.float()[None]  # [1, vocab]
+    if params.has_penalties:
+        x = apply_penalties(x, [SamplingRow(params, None, prompt_ids, output_ids)])
+    if params.is_greedy:
+        tempered = x[0].softmax(dim=-1)
+        final = torch.zeros_like(tempered)
+        final[int(x[0].argmax())] = 1.0
+        return raw, tempered, final
+    dev = x.device
+    tempered = (x[0] / params.temperature).softmax(dim=-1)
+    filtered = filter_logits(x, temperature=torch.tensor([params.temperature], device=dev),
+                             top_k=torch.tensor([params.top_k], device=dev),
+                             top_p=torch.tensor([params.top_p], device=dev),
+                             min_p=torch.tensor([params.min_p], device=dev))
+    return raw, tempered, filtered[0].softmax(dim=-1)
+
+
+def describe_sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                    token_id: int, top_k: int) -> SampleRecord:
+    raw, tempered, final = sampling_distributions(logits, params, prompt_ids, output_ids)
+    top = raw.topk(min(top_k, raw.shape[0]))
+    ids = top.indices.tolist()
+    return SampleRecord(
+        token_id=token_id, top_ids=ids, raw_probs=top.values.tolist(), temp_probs=tempered[ids].tolist(),
+        final_probs=final[ids].tolist(), drawn_raw_prob=float(raw[token_id]), drawn_final_prob=float(final[token_id]),
+        drawn_rank=int((raw > raw[token_id]).sum()), entropy_raw=entropy_bits(raw), entropy_final=entropy_bits(final),
+        num_kept=int((final > 0).sum()))

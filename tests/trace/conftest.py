@@ -1,0 +1,39 @@
+"""Fixtures for the tracer's tests: tiny-model LLMs shared per module, run on one CPU thread.
+
+One thread because CI machines here have two cores shared with other jobs: with two OpenMP threads every small op
+waits for a descheduled partner, and the tiny models run ten times slower (measured), which the timing tests only
+make noisier. The setting is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from nextoken import LLM
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_llm(path: Path) -> LLM:
+    # No prefix caching: a traced run after an untraced one must compute the whole prompt again.
+    return LLM(str(path), device="cpu", kv_cache_bytes=4 << 20, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_llama: Path) -> LLM:
+    return make_llm(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def gemma_llm(tiny_gemma: Path) -> LLM:
+    return make_llm(tiny_gemma)
