@@ -1,7 +1,8 @@
 """The BlockManager against a model of its own: random allocate / find_cached_prefix + take_cached / free /
 cache_full_blocks sequences, driven directly, with reference counts, prefix hits and LRU eviction predicted from the
 exact token prefix each block's KV was computed from (no hashing), and every hit checked against those tokens.
-With `chain_hash` forced to collide, no hit may ever serve KV computed from other tokens.
+With `chain_hash` forced to collide, no hit may ever serve KV computed from other tokens. Last, the same property end
+to end on a tiny model, against an engine without a prefix cache.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -23,6 +25,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from nextoken import LLM, SamplingParams
 from nextoken.cache import block_manager
 from nextoken.cache.block_manager import BlockManager
 
@@ -35,11 +38,15 @@ DOCUMENTS = [_STEM + [_rng.randrange(3) for _ in range(24)] for _ in range(3)] +
 # From a document's start (shared prefixes) or from its middle (a later block's tokens at position 0).
 token_lists = st.builds(
     lambda doc, start, cut, tail: DOCUMENTS[doc][start:start + cut] + tail,
-    st.integers(0, len(DOCUMENTS) - 1), st.sampled_from([0, 0, 2, 4, 8]), st.integers(1, 32),
+    st.integers(0, len(DOCUMENTS) - 1), st.sampled_from([0, 0, 2, 4, 8]), st.integers(1, 16),
     st.lists(st.integers(0, 2), max_size=4))
 
 SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
+
+# How often the interesting paths ran over all examples of a test, checked afterwards so that a generator that no
+# longer reaches hits, sharing or eviction cannot let the properties pass vacuously.
+seen: Counter[str] = Counter()
 
 
 @dataclass
@@ -107,7 +114,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     exact = True  # False when hashes are forced to collide: only safety is checked, not which prefixes are found
 
-    @initialize(num_blocks=st.integers(2, 12), block_size=st.sampled_from([1, 2, 4]))
+    @initialize(num_blocks=st.integers(2, 16), block_size=st.sampled_from([1, 2, 4]))
     def setup(self, num_blocks: int, block_size: int) -> None:
         self.bm = BlockManager(num_blocks, block_size)
         self.model = Model(num_blocks, block_size)
@@ -122,6 +129,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 f"block {b} served as block {i} of {list(token_ids)} but holds KV of {self.model.kv_of.get(b)}"
         if self.exact:
             assert list(hits) == self.model.expected_hits(token_ids)
+        seen["hit"] += bool(hits)
 
     def _allocate(self, num: int) -> list[int] | None:
         """bm.allocate, checked: None exactly when too few blocks; fresh blocks first, then the LRU cached ones."""
@@ -133,8 +141,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return None
         assert got is not None and len(got) == num and len(set(got)) == num
         assert not set(got) & set(model.refs()), "allocate handed out a block someone holds"
+        num_evicted = max(0, num - len(plain))
+        seen["eviction"] += num_evicted > 0
         if self.exact:
-            num_evicted = max(0, num - len(plain))
             assert set(got) - plain == set(lru[:num_evicted]), "eviction did not take the least recently used"
         for b in got:
             if b in model.lru:
@@ -142,9 +151,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             model.forget(b)
         return got
 
-    @rule(token_ids=token_lists)
-    def add_seq(self, token_ids: list[int]) -> None:
-        """Find cached blocks for a new sequence, take them, and allocate the rest (or give up if full)."""
+    @rule(token_ids=token_lists, compute_all=st.booleans())
+    def add_seq(self, token_ids: list[int], compute_all: bool) -> None:
+        """Find cached blocks for a new sequence, take them, and allocate the rest (or give up if full); maybe
+        compute the whole prompt at once."""
         bm, model = self.bm, self.model
         hits = bm.find_cached_prefix(token_ids)
         self._check_hits(token_ids, hits)
@@ -160,16 +170,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
             model.release(hits, model.refs())
             return
         model.seqs[self.next_id] = Seq(token_ids, hits + blocks, len(hits) * model.block_size, len(hits))
+        if compute_all:
+            self._compute(model.seqs[self.next_id], len(token_ids))
         self.next_id += 1
 
     @precondition(lambda self: any(s.num_computed < len(s.token_ids) for s in self.model.seqs.values()))
     @rule(data=st.data())
     def compute(self, data: st.DataObject) -> None:
         """Write KV for the next chunk of a sequence, then register its newly full blocks."""
-        model, bs = self.model, self.model.block_size
+        model = self.model
         key = data.draw(st.sampled_from(sorted(k for k, s in model.seqs.items() if s.num_computed < len(s.token_ids))))
         seq = model.seqs[key]
-        end = seq.num_computed + data.draw(st.integers(1, len(seq.token_ids) - seq.num_computed))
+        self._compute(seq, seq.num_computed + data.draw(st.integers(1, len(seq.token_ids) - seq.num_computed)))
+
+    def _compute(self, seq: Seq, end: int) -> None:
+        model, bs = self.model, self.model.block_size
         held = model.refs()
         for idx in range(seq.num_computed // bs, -(-end // bs)):
             block = seq.block_table[idx]
@@ -215,8 +230,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_integrity(expected_refs=dict(refs))
         assert self.bm.num_free_blocks == self.model.num_blocks - len(refs)
         # A block in two tables must be one prefix block both sequences computed past, at the same position.
+        for seq in self.model.seqs.values():
+            assert len(set(seq.block_table)) == len(seq.block_table), f"a block twice in {seq.block_table}"
         for block, count in refs.items():
             if count > 1:
+                seen["shared block"] += 1
                 holders = [s for s in self.model.seqs.values() if block in s.block_table]
                 positions = {s.block_table.index(block) for s in holders}
                 assert len(positions) == 1, f"block {block} shared at different positions"
@@ -240,7 +258,9 @@ class CollidingBlockManagerMachine(BlockManagerMachine):
 
 
 def test_random_operations_keep_the_model() -> None:
+    seen.clear()
     run_state_machine_as_test(BlockManagerMachine, settings=SETTINGS)
+    assert seen["hit"] and seen["eviction"] and seen["shared block"], dict(seen)
 
 
 @pytest.mark.parametrize("colliding_hash", [lambda parent, ids: 0, lambda parent, ids: hash((parent, tuple(ids))) % 3],
@@ -248,7 +268,9 @@ def test_random_operations_keep_the_model() -> None:
 def test_colliding_hashes_never_serve_other_tokens(monkeypatch: pytest.MonkeyPatch,
                                                    colliding_hash: Callable[[int | None, Sequence[int]], int]) -> None:
     monkeypatch.setattr(block_manager, "chain_hash", colliding_hash)
+    seen.clear()
     run_state_machine_as_test(CollidingBlockManagerMachine, settings=SETTINGS)
+    assert seen["hit"], "no hit at all: the collision test checked nothing"
 
 
 # --- the same properties, spelled out on fixed examples -------------------------------------------------------
@@ -317,3 +339,25 @@ def test_a_hit_never_covers_the_last_token() -> None:
     _computed(bm, [1, 2, 3, 4])
     assert bm.find_cached_prefix([1, 2, 3, 4]) == [0]  # the last token must be computed to give logits
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
+
+
+def test_engine_serves_no_later_block_at_position_zero(tiny_llama: Path) -> None:
+    """End to end: a prompt of two full blocks, run twice (the second run recomputes its last block, a copy of the
+    first run's), then a prompt made of the second run's third block. Its log-probabilities must equal those of an
+    engine without a prefix cache (they did not while that copy's successors were registered as first blocks)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=8 << 20)
+    uncached = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=8 << 20,
+                   enable_prefix_caching=False)
+    prompt = list(range(10, 42))
+    llm.generate(prompt, params, use_tqdm=False)
+    again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert again.timings["cached_prompt_tokens"] == 16
+    probe = (prompt + again.token_ids)[32:48] + [7, 8, 9]
+    got = llm.generate(probe, params, use_tqdm=False)[0]
+    expected = uncached.generate(probe, params, use_tqdm=False)[0]
+    assert got.timings["cached_prompt_tokens"] == 0
+    assert got.token_ids == expected.token_ids
+    assert got.outputs[0].logprobs is not None and expected.outputs[0].logprobs is not None
+    for (mine, _), (ref, _) in zip(got.outputs[0].logprobs, expected.outputs[0].logprobs):
+        assert abs(mine - ref) < 1e-5

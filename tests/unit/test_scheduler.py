@@ -49,7 +49,6 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.budget = budget_blocks * block_size
         self.sched = Scheduler(self.bm, max_num_seqs, self.budget, enable_chunked_prefill=chunked)
         self.live: dict[str, Request] = {}
-        self.aborted: set[str] = set()
         self.finished: list[Request] = []
         self.kv: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose last token's KV it holds
         self.num_added = 0
@@ -142,8 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         req = self.live.pop(data.draw(st.sampled_from(sorted(self.live))))
         self.sched.finish(req, "abort")
-        self.aborted.add(req.request_id)
-        assert req.status is RequestStatus.FINISHED and not req.block_table
+        assert req.status is RequestStatus.FINISHED and req.finish_reason == "abort" and not req.block_table
 
     # --- checks ----------------------------------------------------------------------------------------------
 
