@@ -32,7 +32,10 @@ class EngineConfig:
     """How the engine runs a model. Validated on construction; every field is a user-facing setting."""
 
     model: str = "smollm2-135m-instruct"
-    dtype: str = "auto"  # "float32" | "bfloat16" | "auto" (fp32 on CPU, bf16 on CUDA)
+    dtype: str = "auto"  # float weights: "float32" | "bfloat16" | "auto" (decided by `weights`)
+    # Projection weights: "fp32" | "bf16" | "int4" (fused int4 kernel for decode, fp32 GEMM for large batches; CPU
+    # only) | "auto": the dtype asked for if any, else int4 on CPU and bf16 on CUDA.
+    weights: str = "auto"
     device: str = "auto"  # "cpu" | "cuda" | "auto" (CUDA when present)
     block_size: int = 16
     kv_cache_bytes: int | None = None  # the KV pool's size; None: kv_cache_fraction of available memory
@@ -52,6 +55,7 @@ class EngineConfig:
                 raise NextokenError(f"invalid engine setting: {what}")
 
         need(self.dtype in ("auto", "float32", "bfloat16"), f"dtype={self.dtype!r} (auto, float32 or bfloat16)")
+        need(self.weights in ("auto", "fp32", "bf16", "int4"), f"weights={self.weights!r} (auto, fp32, bf16 or int4)")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device={self.device!r} (auto, cpu or cuda)")
         need(self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size} (8, 16, 32, 64 or 128)")

@@ -58,6 +58,9 @@ class ForwardBatch:
                 logits_indices.append(len(input_ids) - 1)
             else:
                 sample_rows.append(None)
+        first_blocks = [table[0] if table and table[-1] - table[0] == len(table) - 1 and
+                        all(b - a == 1 for a, b in zip(table, table[1:])) else None
+                        for table in (item.request.block_table for item in scheduled)]
         max_blocks = max(len(item.request.block_table) for item in scheduled)
         block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
         for i, item in enumerate(scheduled):
@@ -73,6 +76,7 @@ class ForwardBatch:
                 seq_lens=seq_lens,
                 block_tables=block_tables.to(device),
                 block_size=block_size,
+                first_blocks=first_blocks,
             ),
             logits_indices=torch.tensor(logits_indices, **as_long),
             sample_rows=sample_rows,

@@ -19,6 +19,7 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.layers import RMSNorm
 from nextoken.ops.attention import AttentionMetadata
+from nextoken.ops.quant_linear import Int4Linear, q4_codes, regroup
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -85,8 +86,11 @@ class CausalLM(nn.Module):
         return tensor
 
     def load_gguf(self, gguf: GGUFFile, dtype: torch.dtype, device: torch.device,
-                  progress: Callable[[str], None] | None = None) -> None:
+                  progress: Callable[[str], None] | None = None, int4: bool = False) -> None:
+        """Fill every parameter from the file. With `int4`, projections also get int4 codes for decode (see
+        ops/quant_linear.py), read from Q4_0/Q4_1 blocks directly where the file has them."""
         state: dict[str, torch.Tensor] = {}
+        int4_parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         expected = dict(self.named_parameters())
         for param, files in self.gguf_tensor_map().items():
             parts = []
@@ -96,6 +100,8 @@ class CausalLM(nn.Module):
                     raise ModelLoadError(gguf.path, f"missing tensor {name!r}")
                 t = dequantize(gguf.raw(name), info.qtype, info.shape, dtype=torch.float32, name=name)
                 parts.append(self.transform_tensor(name, t))
+                if int4 and param.endswith("_proj.weight"):
+                    int4_parts.setdefault(param, []).append(self._int4_codes(gguf, name, parts[-1]))
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             want = tuple(expected[param].shape)
             if tuple(tensor.shape) != want:
@@ -110,3 +116,20 @@ class CausalLM(nn.Module):
                 progress(param)
         self.load_state_dict(state, strict=True, assign=True)
         self.requires_grad_(False)
+        for param, pieces in int4_parts.items():
+            codes, scales, zeros = (torch.cat(column, dim=0) for column in zip(*pieces))
+            owner_name, _, attr = param.rpartition(".weight")[0].rpartition(".")
+            owner = self.get_submodule(owner_name)
+            dense = getattr(owner, attr).weight.data
+            setattr(owner, attr, Int4Linear(codes, scales, zeros, dense))
+
+    def _int4_codes(self, gguf: GGUFFile, name: str, weight: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        info = gguf.tensors[name]
+        direct = q4_codes(gguf.raw(name), info.qtype, info.shape)
+        if direct is None:
+            return regroup(weight)  # `weight` already has the architecture's layout fix applied
+        # The layout fix is a permutation of rows: find it by transforming the row indices, apply it to the codes.
+        rows = info.shape[0]
+        order = self.transform_tensor(name, torch.arange(rows, dtype=torch.float32)[:, None])[:, 0].long()
+        return tuple(t[order] for t in direct)  # type: ignore[return-value]

@@ -23,6 +23,9 @@ class AttentionMetadata:
     seq_lens: list[int]  # [num_seqs]: tokens in context after this pass (cached + new)
     block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int64, padded with 0
     block_size: int
+    # Per sequence: the first block id when its blocks are consecutive (the common case: a fresh pool hands them out
+    # in order), so its context is a view of the cache rather than a gathered copy; None otherwise.
+    first_blocks: list[int | None] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -40,8 +43,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int | None) -> torch.Tensor:
     num_blocks = -(-seq_len // cache.shape[1])
+    if first_block is not None:
+        return cache[first_block:first_block + num_blocks].flatten(0, 1)[:seq_len]
     # [num_blocks, block_size, kv_heads, head_dim] -> [seq_len, kv_heads, head_dim]
     return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
 
@@ -66,13 +71,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only and meta.num_seqs > 1:
         return _batched_decode(q, k_cache, v_cache, meta, scale, sliding_window)
-    out = torch.empty_like(q)
+    single = meta.num_seqs == 1
+    out = q if single else torch.empty_like(q)
     starts = meta.query_start_loc
     for s, seq_len in enumerate(meta.seq_lens):
         start, end = starts[s], starts[s + 1]
         query_len = end - start
-        keys = _gather(k_cache, meta.block_tables[s], seq_len)
-        values = _gather(v_cache, meta.block_tables[s], seq_len)
+        first = meta.first_blocks[s] if meta.first_blocks is not None else None
+        keys = _gather(k_cache, meta.block_tables[s], seq_len, first)
+        values = _gather(v_cache, meta.block_tables[s], seq_len, first)
         # [1, heads, tokens, head_dim] for SDPA; enable_gqa lets K/V keep their fewer heads.
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
         ks = keys.to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -83,6 +90,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         else:
             mask = _mask(query_len, seq_len, sliding_window, q.device)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        if single:
+            return o.squeeze(0).transpose(0, 1)
         out[start:end] = o.squeeze(0).transpose(0, 1)
     return out
 

@@ -23,6 +23,7 @@ from nextoken.trace.tracer import NullTracer, RecordingTracer
 class TraceOptions:
     model: str
     dtype: str = "auto"
+    weights: str = "auto"
     device: str = "auto"
     raw: bool = False
     system: str | None = None
@@ -44,7 +45,8 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
     if options.html is not None and not options.html.parent.is_dir():
         raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
     console = console or make_console()
-    llm = LLM(options.model, dtype=options.dtype, device=options.device, enable_prefix_caching=False)
+    llm = LLM(options.model, dtype=options.dtype, weights=options.weights, device=options.device,
+              enable_prefix_caching=False)
     if settings:
         runs = [run_request(llm, prompt, p, raw=options.raw, system=options.system,
                             tracer=RecordingTracer(top_k=options.top_k)) for p in settings]

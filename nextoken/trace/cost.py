@@ -46,9 +46,10 @@ class ModelCost:
     kv_bytes_per_token: int  # 2 x layers x kv_heads x head_dim x KV dtype bytes
 
     @classmethod
-    def from_config(cls, config: ModelConfig, projection_bytes: int = 4, head_bytes: int = 4,
+    def from_config(cls, config: ModelConfig, projection_bytes: float = 4, head_bytes: int = 4,
                     kv_dtype_bytes: int = 4) -> ModelCost:
-        """projection_bytes: bytes per element of block projection weights (fp32 4, bf16 2); the head is fp32."""
+        """projection_bytes: bytes per element of block projection weights (fp32 4, bf16 2, int4 0.625); the head
+        is fp32."""
         q = config.num_heads * config.head_dim
         kv = config.num_kv_heads * config.head_dim
         per_layer = (config.hidden_size * (q + 2 * kv)  # qkv_proj
@@ -57,7 +58,7 @@ class ModelCost:
         block_params = config.num_layers * per_layer
         head_params = config.hidden_size * config.vocab_size
         return cls(config=config, block_params=block_params, head_params=head_params,
-                   weight_bytes=block_params * projection_bytes + head_params * head_bytes,
+                   weight_bytes=int(block_params * projection_bytes) + head_params * head_bytes,
                    kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_dtype_bytes)
 
     @property

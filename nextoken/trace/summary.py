@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from nextoken.ops.quant_linear import Int4Linear
 from nextoken.trace.cost import MachinePeaks, ModelCost
 from nextoken.trace.run import RunResult
 from nextoken.trace.tracer import RecordingTracer
@@ -80,11 +81,13 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
     engine = llm.engine
     model = engine.runner.model
     cfg = engine.model_config
-    projection = model.layers[0].attn.qkv_proj.weight
+    projection = model.layers[0].attn.qkv_proj
+    # int4 projections: half a byte per weight plus a bf16 scale and zero per 32 (the decode path's reads).
+    projection_bytes = 0.5 + 4 / 32 if isinstance(projection, Int4Linear) else projection.weight.element_size()
     head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     pool = engine.runner.kv_pool
     kv_dtype_bytes = pool.layers[0][0].element_size()
-    cost = ModelCost.from_config(cfg, projection_bytes=projection.element_size(), head_bytes=head.element_size(),
+    cost = ModelCost.from_config(cfg, projection_bytes=projection_bytes, head_bytes=head.element_size(),
                                  kv_dtype_bytes=kv_dtype_bytes)
     prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0
     num_prefill = num_decode = 0

@@ -26,7 +26,8 @@ def one_thread() -> Iterator[None]:
 
 def make_llm(path: Path) -> LLM:
     # No prefix caching: a traced run after an untraced one must compute the whole prompt again.
-    return LLM(str(path), device="cpu", kv_cache_bytes=4 << 20, enable_prefix_caching=False)
+    # fp32 weights: the tests compare traced candidates with a dense recomputation (score), bit for bit.
+    return LLM(str(path), weights="fp32", device="cpu", kv_cache_bytes=4 << 20, enable_prefix_caching=False)
 
 
 @pytest.fixture(scope="module")

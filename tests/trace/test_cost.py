@@ -25,7 +25,7 @@ def test_counts_match_the_loaded_model(arch: str, request: pytest.FixtureRequest
     llm: LLM = request.getfixturevalue(f"{arch}_llm")
     model = llm.engine.runner.model
     c = ModelCost.from_config(llm.model_config)
-    projections = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not model.lm_head]
+    projections = [m for name, m in model.named_modules() if name.endswith("_proj")]
     assert c.block_params == sum(m.weight.numel() for m in projections)
     assert c.head_params == model.embed_tokens.weight.numel()  # tied: the head is the embedding table
     assert c.kv_bytes_per_token == llm.engine.runner.kv_shape.bytes_per_token == llm.model_config.kv_bytes_per_token
