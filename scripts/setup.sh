@@ -25,7 +25,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     # On machines without a GPU this pin resolves to the +cpu build kept on local disk (pip's find-links);
     # the CUDA build is only for machines that have a GPU.
     pip install torch==2.13.0
-    if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$VENV/bin/python" -c "import torch, sys; sys.exit('+cpu' not in torch.__version__)"; then
+    if ! command -v nvidia-smi >/dev/null 2>&1 && ! "$VENV/bin/python" -c "import torch, sys; sys.exit('+cpu' not in torch.__version__)" 2>/dev/null; then
         echo "warning: installed $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') on a machine without a GPU" >&2
     fi
 fi
