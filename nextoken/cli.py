@@ -61,21 +61,16 @@ def _sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
 
 
 def _load_text_side(model: str) -> tuple[Any, Any, Any]:
-    """The tokenizer and chat template of a model without loading its weights."""
+    """The config, tokenizer and chat template of a model without loading its weights."""
+    from nextoken.engine.engine import load_text_side
     from nextoken.loader.gguf import read_gguf
     from nextoken.loader.registry import resolve_model
     from nextoken.models.config import ModelConfig
-    from nextoken.tokenizer.chat import ChatTemplate
-    from nextoken.tokenizer.tokenizer import Tokenizer
 
-    path = resolve_model(model)
-    gguf = read_gguf(path)
+    gguf = read_gguf(resolve_model(model))
     config = ModelConfig.from_gguf(gguf)
-    tok = Tokenizer.from_gguf(gguf.metadata, source=str(path))
-    text = (lambda i: "" if i is None else tok.id_to_piece(i))
-    template = ChatTemplate.for_model(config.chat_template, architecture=config.architecture,
-                                      bos_token=text(config.bos_id), eos_token=text(config.eos_id))
-    return config, tok, template
+    tokenizer, template = load_text_side(gguf, config)
+    return config, tokenizer, template
 
 
 def cmd_models(args: argparse.Namespace) -> int:

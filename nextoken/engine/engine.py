@@ -23,12 +23,24 @@ from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.engine.scheduler import Scheduler
 from nextoken.errors import NextokenError, PromptTooLong
-from nextoken.loader.gguf import read_gguf
+from nextoken.loader.gguf import GGUFFile, read_gguf
 from nextoken.loader.registry import model_name_for, resolve_model
 from nextoken.models.config import ModelConfig
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat import ChatTemplate
 from nextoken.tokenizer.tokenizer import Tokenizer
+
+
+def load_text_side(gguf: GGUFFile, config: ModelConfig) -> tuple[Tokenizer, ChatTemplate]:
+    """A model's tokenizer and chat template (the file's, or the documented fallback), without its weights."""
+    tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(gguf.path))
+
+    def text(token_id: int | None) -> str:
+        return "" if token_id is None else tokenizer.id_to_piece(token_id)
+
+    template = ChatTemplate.for_model(config.chat_template, architecture=config.architecture,
+                                      bos_token=text(config.bos_id), eos_token=text(config.eos_id))
+    return tokenizer, template
 
 
 class EngineBusy(NextokenError):
@@ -51,11 +63,7 @@ class LLMEngine:
             else self.model_path.stem
         gguf = read_gguf(self.model_path)
         self.model_config = ModelConfig.from_gguf(gguf)
-        self.tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(self.model_path))
-        self.chat_template = ChatTemplate.for_model(
-            self.model_config.chat_template, architecture=self.model_config.architecture,
-            bos_token=self._token_text(self.model_config.bos_id),
-            eos_token=self._token_text(self.model_config.eos_id))
+        self.tokenizer, self.chat_template = load_text_side(gguf, self.model_config)
         self.max_model_len = min(config.max_model_len or self.model_config.context_length,
                                  self.model_config.context_length)
         self.runner = ModelRunner(gguf, self.model_config, config, self.max_model_len)
@@ -67,9 +75,6 @@ class LLMEngine:
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
-
-    def _token_text(self, token_id: int | None) -> str:
-        return "" if token_id is None else self.tokenizer.id_to_piece(token_id)
 
     # --- requests --------------------------------------------------------------------------------------------
 

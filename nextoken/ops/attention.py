@@ -99,7 +99,6 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
 def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None) -> torch.Tensor:
     """One new token per sequence: gather every context padded to the longest, one masked SDPA call."""
-    num_seqs = meta.num_seqs
     max_len = max(meta.seq_lens)
     num_blocks = -(-max_len // meta.block_size)
     table = meta.block_tables[:, :num_blocks]
