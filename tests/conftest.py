@@ -42,3 +42,19 @@ def real_llm(model: str, dtype: str = "float32"):  # noqa: ANN201 - returns next
     if key not in _LLMS:
         _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, device="cpu", kv_cache_bytes=TEST_KV_BYTES)
     return _LLMS[key]
+
+
+def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - a nextoken Tokenizer
+    """A real model's tokenizer built into a private cache directory (so its merges cache is exercised cold).
+
+    The model file is resolved first: Gemma's assembled file lives in the regular cache directory. A missing model
+    fails the test (setup installs both), it is never skipped.
+    """
+    from nextoken.loader.gguf import read_gguf
+    from nextoken.loader.registry import resolve_model
+    from nextoken.tokenizer.tokenizer import Tokenizer
+
+    path = resolve_model(name)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
+        return Tokenizer.from_gguf(read_gguf(path).metadata, source=str(path))

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from nextoken.errors import ModelNotInstalled
 from nextoken.loader.gguf import read_gguf
 from nextoken.loader.registry import resolve_model
 from nextoken.tokenizer.tokenizer import Tokenizer
@@ -26,10 +25,7 @@ CHAT_MARKERS = {"smollm2-135m-instruct": ("<|im_start|>", "<|im_end|>"),
 
 @pytest.fixture(scope="module")
 def model_paths() -> dict[str, Path]:
-    try:
-        return {name: resolve_model(name) for name in MODELS}  # before any NEXTOKEN_CACHE_DIR change
-    except ModelNotInstalled as exc:
-        pytest.skip(str(exc))
+    return {name: resolve_model(name) for name in MODELS}  # before any NEXTOKEN_CACHE_DIR change
 
 
 @pytest.fixture(scope="module")

@@ -14,34 +14,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nextoken.errors import ModelNotInstalled, TokenizerError
-from nextoken.loader.gguf import read_gguf
-from nextoken.loader.registry import resolve_model
+from nextoken.errors import TokenizerError
 from nextoken.tokenizer.detokenize import IncrementalDetokenizer
 from nextoken.tokenizer.tokenizer import Tokenizer
+from tests.conftest import real_tokenizer
 
 REFERENCE = json.loads((Path(__file__).parent.parent / "data" / "tokenizer_reference.json").read_text("utf-8"))
 MODELS = {"smollm": "smollm2-135m-instruct", "gemma": "gemma-3-270m"}
 
 
-def _real(name: str, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    try:
-        path = resolve_model(name)  # before redirecting the cache directory: Gemma's assembled file lives there
-    except ModelNotInstalled as exc:
-        pytest.skip(str(exc))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
-        return Tokenizer.from_gguf(read_gguf(path).metadata, source=str(path))
-
-
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory) -> Tokenizer:
-    return _real(MODELS["smollm"], tmp_path_factory)
+    return real_tokenizer(MODELS["smollm"], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory) -> Tokenizer:
-    return _real(MODELS["gemma"], tmp_path_factory)
+    return real_tokenizer(MODELS["gemma"], tmp_path_factory)
 
 
 def stream(tok: Tokenizer, ids: list[int], *, skip: bool = False, prompt: list[int] | None = None) -> list[str]:

@@ -11,10 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nextoken.errors import ModelNotInstalled, TokenizerError
-from nextoken.loader.gguf import read_gguf
-from nextoken.loader.registry import resolve_model
+from nextoken.errors import TokenizerError
 from nextoken.tokenizer.tokenizer import Tokenizer
+from tests.conftest import real_tokenizer
 
 SPM_SPACE = "\u2581"
 SPM_CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
@@ -80,24 +79,14 @@ def _private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _real(name: str, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    try:
-        path = resolve_model(name)  # before redirecting the cache directory: Gemma's assembled file lives there
-    except ModelNotInstalled as exc:
-        pytest.skip(str(exc))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
-        return Tokenizer.from_gguf(read_gguf(path).metadata, source=str(path))
-
-
 @pytest.fixture(scope="module")
 def smollm(tmp_path_factory) -> Tokenizer:
-    return _real("smollm2-135m-instruct", tmp_path_factory)
+    return real_tokenizer("smollm2-135m-instruct", tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory) -> Tokenizer:
-    return _real("gemma-3-270m", tmp_path_factory)
+    return real_tokenizer("gemma-3-270m", tmp_path_factory)
 
 
 # --------------------------------------------------------------------------------------------------- validation
