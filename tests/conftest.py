@@ -58,3 +58,22 @@ def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory):  # noqa
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path_factory.mktemp("tokcache")))
         return Tokenizer.from_gguf(read_gguf(path).metadata, source=str(path))
+
+
+def agreement_and_kl(model: str, logprobs_of, prompts: list[dict] | None = None) -> tuple[float, float]:  # noqa: ANN001
+    """Teacher-forced quality of a weight format: top-1 agreement of `logprobs_of(ids)` ([len, vocab] log-probs)
+    with the reference's top-1 at every position, and the mean KL(fp32 || format) in nats against our fp32 model."""
+    import torch
+
+    fp32 = real_llm(model)
+    agree = total = 0
+    kls = []
+    for prompt in prompts if prompts is not None else load_reference(model, "hf_top5.json")["prompts"]:
+        ids = prompt["seq_ids"]
+        lp = logprobs_of(ids)
+        lp32 = fp32.engine.runner.score(ids).log_softmax(-1)
+        top1 = torch.tensor([row[0] for row in prompt["top5_ids"]])
+        agree += int((lp.argmax(-1) == top1).sum())
+        total += len(ids)
+        kls.append((lp32.exp() * (lp32 - lp)).sum(-1))
+    return agree / total, float(torch.cat(kls).mean())

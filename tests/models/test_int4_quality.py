@@ -12,7 +12,7 @@ from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import Int4Linear
-from tests.conftest import load_reference, real_llm
+from tests.conftest import agreement_and_kl, load_reference
 
 
 @torch.inference_mode()
@@ -34,18 +34,8 @@ def test_smollm2_int4_decode_matches_reference() -> None:
     cfg = ModelConfig.from_gguf(gguf)
     model = load_model(gguf, cfg, int4=True)
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)
-    fp32 = real_llm("smollm2")
-    agree = total = 0
-    kls = []
-    for prompt in load_reference("smollm2", "hf_top5.json")["prompts"][:6]:
-        ids = prompt["seq_ids"]
-        lp4 = decode_logprobs(model, cfg, ids)
-        lp32 = fp32.engine.runner.score(ids).log_softmax(-1)
-        top1 = torch.tensor([row[0] for row in prompt["top5_ids"]])
-        agree += int((lp4.argmax(-1) == top1).sum())
-        total += len(ids)
-        kls.append((lp32.exp() * (lp32 - lp4)).sum(-1))
-    mean_kl = float(torch.cat(kls).mean())
-    print(f"smollm2 int4: top-1 agreement {agree / total:.2%}, mean KL from fp32 {mean_kl:.2e} nats")
-    assert agree / total >= 0.99
+    prompts = load_reference("smollm2", "hf_top5.json")["prompts"][:6]
+    agreement, mean_kl = agreement_and_kl("smollm2", lambda ids: decode_logprobs(model, cfg, ids), prompts)
+    print(f"smollm2 int4: top-1 agreement {agreement:.2%}, mean KL from fp32 {mean_kl:.2e} nats")
+    assert agreement >= 0.99
     assert mean_kl < 0.01

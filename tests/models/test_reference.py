@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nextoken.sampling_params import SamplingParams
-from tests.conftest import DATA, load_reference, real_llm
+from tests.conftest import DATA, agreement_and_kl, load_reference, real_llm
 
 MODELS = ["smollm2", "gemma3"]
 
@@ -64,19 +64,8 @@ def test_smollm2_last_position_logits_match_reference() -> None:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_bf16_agrees_with_reference(model: str) -> None:
-    llm32, llm16 = real_llm(model), real_llm(model, "bfloat16")
-    ref = load_reference(model, "hf_top5.json")
-    agree = total = 0
-    kls = []
-    for prompt in ref["prompts"]:
-        ids = prompt["seq_ids"]
-        lp32 = llm32.engine.runner.score(ids).log_softmax(-1)
-        lp16 = llm16.engine.runner.score(ids).log_softmax(-1)
-        top1 = torch.tensor([row[0] for row in prompt["top5_ids"]])
-        agree += int((lp16.argmax(-1) == top1).sum())
-        total += len(ids)
-        kls.append((lp32.exp() * (lp32 - lp16)).sum(-1))
-    mean_kl = float(torch.cat(kls).mean())
-    print(f"{model} bf16: top-1 agreement {agree / total:.2%}, mean KL from fp32 {mean_kl:.2e} nats")
-    assert agree / total >= 0.99
+    llm16 = real_llm(model, "bfloat16")
+    agreement, mean_kl = agreement_and_kl(model, lambda ids: llm16.engine.runner.score(ids).log_softmax(-1))
+    print(f"{model} bf16: top-1 agreement {agreement:.2%}, mean KL from fp32 {mean_kl:.2e} nats")
+    assert agreement >= 0.99
     assert mean_kl < 0.05
