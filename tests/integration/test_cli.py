@@ -42,7 +42,10 @@ def test_tokenize_chat_renders_template_and_detokenize_round_trips() -> None:
 def test_tokenize_plain_output_and_stdin() -> None:
     out = nextoken("tokenize", stdin="hello world")
     assert out.returncode == 0
-    assert "2 tokens" in out.stdout or "tokens," in out.stdout
+    json_ids = json.loads(nextoken("tokenize", "--json", "hello world").stdout)["ids"]
+    lines = out.stdout.splitlines()
+    assert [int(line.split()[0]) for line in lines[:-1]] == json_ids
+    assert lines[-1].startswith(f"{len(json_ids)} tokens, 11 characters")
 
 
 def test_models_lists_both() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from nextoken import LLM, SamplingParams
 from nextoken.errors import PromptTooLong
@@ -150,7 +149,3 @@ def test_chat_special_text_in_content_stays_plain(tiny_llama: Path) -> None:
     # The template's own <|im_start|>/<|im_end|> are control tokens; the user's typed one is not.
     assert ids.count(im_end[0]) == 1
     assert llm.tokenizer.decode(ids) == text
-
-
-def test_no_grad_state_leaks() -> None:
-    assert torch.is_grad_enabled()
