@@ -1,6 +1,7 @@
 """Serving throughput: many requests batched by the engine, against the same requests run one by one.
 
-Run: .venv/bin/python benchmarks/throughput.py [--dtype float32|bfloat16] [--num-requests N] [--quick] [--seed S]
+Run: .venv/bin/python -m benchmarks.throughput [--weights auto|fp32|bf16|int8|int4] [--kv-dtype auto|fp32|bf16|int8]
+     [--num-requests N] [--quick] [--seed S]
 
 Two fixed-seed workloads on one LLM (prefix cache on, as served):
   uniform  N requests of 128 prompt + 128 output tokens (greedy, ignore_eos), prompts cut from the reference texts
@@ -211,7 +212,8 @@ def save(key: str, payload: dict) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"], default="auto")
+    parser.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "int8"], default="auto")
     parser.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 64, quick 16)")
     parser.add_argument("--one-by-one", type=int, default=None,
                         help="how many of them to run one by one (default 8, quick 2; totals are scaled)")
@@ -224,10 +226,12 @@ def main() -> None:
     output_len = 32 if args.quick else 128
 
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, device="cpu", kv_cache_bytes=args.kv_cache_mib << 20)
+    llm = LLM(args.model, weights=args.weights, kv_dtype=args.kv_dtype, device="cpu",
+              kv_cache_bytes=args.kv_cache_mib << 20)
     load_s = time.perf_counter() - start
+    fmt = f"weights {llm.engine.runner.weights}, KV {llm.engine.runner.kv_dtype}"
     bm = llm.engine.block_manager
-    print(f"nextoken throughput: {args.model}, {args.dtype}, cpu, {torch.get_num_threads()} threads, seed {args.seed}, "
+    print(f"nextoken throughput: {args.model}, {fmt}, cpu, {torch.get_num_threads()} threads, seed {args.seed}, "
           f"KV pool {bm.num_blocks * bm.block_size} tokens, load {load_s:.1f} s"
           + (" [quick: 16 requests x 32 output tokens]" if args.quick and not args.num_requests else ""))
     warmup = [Spec(s.prompt_ids[:32], SamplingParams(temperature=0, max_tokens=4)) for s in
@@ -241,7 +245,7 @@ def main() -> None:
         f"chat: {num} mixed-length chat prompts, 16-{min(192, output_len * 3 // 2)} output tokens, seeded sampling":
             chat_workload(llm, num, rng, args.seed, max(16, output_len * 3 // 2)),
     }
-    payload: dict = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+    payload: dict = {"model": args.model, "format": fmt, "threads": torch.get_num_threads(),
                      "seed": args.seed, "quick": args.quick, "load_s": load_s, "workloads": {}}
     first_results: list[RunResult] = []
     for name, specs in workloads.items():
@@ -256,8 +260,8 @@ def main() -> None:
             "prompt_tokens": [len(s.prompt_ids) for s in specs],
             "runs": [{**r.__dict__, "scaled_wall_s": r.scaled_wall_s} for r in results]}
         first_results = first_results or results
-    print_anchors(args.model, args.dtype, first_results[0], first_results[1])
-    key = f"{args.model}/{args.dtype}/{num}x{output_len}"
+    print_anchors(args.model, fmt, first_results[0], first_results[1])
+    key = f"{args.model}/{llm.engine.runner.weights}/{llm.engine.runner.kv_dtype}/{num}x{output_len}"
     print(f"\nsaved {save(key, payload)} [{key}]")
 
 

@@ -33,9 +33,15 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # float weights: "float32" | "bfloat16" | "auto" (decided by `weights`)
-    # Projection weights: "fp32" | "bf16" | "int4" (fused int4 kernel for decode, fp32 GEMM for large batches; CPU
-    # only) | "auto": the dtype asked for if any, else int4 on CPU and bf16 on CUDA.
+    # Projection weights: "fp32" | "bf16" | "int8" (per-channel scales) | "int4" (groups of 32; fused kernels for
+    # decode, fp32 GEMM for large batches; CPU only) | "auto": the dtype asked for if any, else int4 on CPU for
+    # Q4_0/Q4_1 files, fp32 for others, bf16 on CUDA.
     weights: str = "auto"
+    # LM head for decode rows: "fp32" | "int8" (a cheap int8 pass over the vocabulary, its 32 best candidates
+    # recomputed in fp32; CPU only) | "auto": int8 on CPU unless float weights were asked for, else fp32.
+    lm_head: str = "auto"
+    # KV cache storage: "fp32" | "bf16" | "int8" (a fp16 scale per 32 values) | "auto": fp32 on CPU, bf16 on CUDA.
+    kv_dtype: str = "auto"
     device: str = "auto"  # "cpu" | "cuda" | "auto" (CUDA when present)
     block_size: int = 16
     kv_cache_bytes: int | None = None  # the KV pool's size; None: kv_cache_fraction of available memory
@@ -55,7 +61,10 @@ class EngineConfig:
                 raise NextokenError(f"invalid engine setting: {what}")
 
         need(self.dtype in ("auto", "float32", "bfloat16"), f"dtype={self.dtype!r} (auto, float32 or bfloat16)")
-        need(self.weights in ("auto", "fp32", "bf16", "int4"), f"weights={self.weights!r} (auto, fp32, bf16 or int4)")
+        need(self.weights in ("auto", "fp32", "bf16", "int8", "int4"),
+             f"weights={self.weights!r} (auto, fp32, bf16, int8 or int4)")
+        need(self.lm_head in ("auto", "fp32", "int8"), f"lm_head={self.lm_head!r} (auto, fp32 or int8)")
+        need(self.kv_dtype in ("auto", "fp32", "bf16", "int8"), f"kv_dtype={self.kv_dtype!r} (auto, fp32, bf16 or int8)")
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"device={self.device!r} (auto, cpu or cuda)")
         need(self.block_size in (8, 16, 32, 64, 128), f"block_size={self.block_size} (8, 16, 32, 64 or 128)")

@@ -78,9 +78,9 @@ def request_timings(req: Request) -> dict[str, float | None]:
 
 class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", *, dtype: str = "auto", weights: str = "auto",
-                 device: str = "auto", **engine_options: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights=weights, device=device,
-                                             **engine_options))
+                 kv_dtype: str = "auto", device: str = "auto", **engine_options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights=weights, kv_dtype=kv_dtype,
+                                             device=device, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self.chat_template = self.engine.chat_template
         self.model_config = self.engine.model_config

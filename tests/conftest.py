@@ -31,16 +31,17 @@ def load_reference(model: str, name: str) -> dict:
     return json.loads((DATA / "reference" / model / name).read_text())
 
 
-_LLMS: dict[tuple[str, str], object] = {}
+_LLMS: dict[tuple[str, str, str], object] = {}
 
 
-def real_llm(model: str, dtype: str = "float32"):  # noqa: ANN201 - returns nextoken.LLM
-    """One shared LLM per (model, dtype) for the whole session."""
+def real_llm(model: str, dtype: str = "float32", kv_dtype: str = "fp32"):  # noqa: ANN201 - returns nextoken.LLM
+    """One shared LLM per (model, dtype, kv_dtype) for the whole session."""
     from nextoken import LLM
 
-    key = (model, dtype)
+    key = (model, dtype, kv_dtype)
     if key not in _LLMS:
-        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, device="cpu", kv_cache_bytes=TEST_KV_BYTES)
+        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, kv_dtype=kv_dtype, device="cpu",
+                         kv_cache_bytes=TEST_KV_BYTES)
     return _LLMS[key]
 
 
@@ -63,17 +64,25 @@ def real_tokenizer(name: str, tmp_path_factory: pytest.TempPathFactory):  # noqa
 def agreement_and_kl(model: str, logprobs_of, prompts: list[dict] | None = None) -> tuple[float, float]:  # noqa: ANN001
     """Teacher-forced quality of a weight format: top-1 agreement of `logprobs_of(ids)` ([len, vocab] log-probs)
     with the reference's top-1 at every position, and the mean KL(fp32 || format) in nats against our fp32 model."""
+    return agreements_and_kls(model, {"": logprobs_of}, prompts)[""]
+
+
+def agreements_and_kls(model: str, variants: dict, prompts: list[dict] | None = None  # noqa: ANN001
+                       ) -> dict[str, tuple[float, float]]:
+    """`agreement_and_kl` for several variants at once, scoring each prompt in fp32 only once."""
     import torch
 
     fp32 = real_llm(model)
-    agree = total = 0
-    kls = []
+    agree = dict.fromkeys(variants, 0)
+    kls: dict[str, list] = {name: [] for name in variants}
+    total = 0
     for prompt in prompts if prompts is not None else load_reference(model, "hf_top5.json")["prompts"]:
         ids = prompt["seq_ids"]
-        lp = logprobs_of(ids)
         lp32 = fp32.engine.runner.score(ids).log_softmax(-1)
         top1 = torch.tensor([row[0] for row in prompt["top5_ids"]])
-        agree += int((lp.argmax(-1) == top1).sum())
         total += len(ids)
-        kls.append((lp32.exp() * (lp32 - lp)).sum(-1))
-    return agree / total, float(torch.cat(kls).mean())
+        for name, logprobs_of in variants.items():
+            lp = logprobs_of(ids)
+            agree[name] += int((lp.argmax(-1) == top1).sum())
+            kls[name].append((lp32.exp() * (lp32 - lp)).sum(-1))
+    return {name: (agree[name] / total, float(torch.cat(kls[name]).mean())) for name in variants}

@@ -12,7 +12,7 @@ import time
 import torch
 from gguf import GGMLQuantizationType
 
-from nextoken.cache.kv_pool import KVPool, KVShape
+from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
 from nextoken.engine.batch import ForwardBatch
 from nextoken.engine.scheduler import ScheduledRequest
@@ -51,9 +51,35 @@ def resolve_weights(config: EngineConfig, device: torch.device, gguf: GGUFFile) 
             weights = "bf16"
         else:
             weights = "int4" if _all_projections_q4(gguf) else "fp32"
-    if weights == "int4" and device.type != "cpu":
-        raise NextokenError(f"weights=int4 uses a CPU kernel; on {device.type} use bf16 or fp32")
+    if weights in ("int4", "int8") and device.type != "cpu":
+        raise NextokenError(f"weights={weights} uses a CPU kernel; on {device.type} use bf16 or fp32")
     return weights
+
+
+def resolve_lm_head(config: EngineConfig, device: torch.device, weights: str) -> str:
+    """The LM head's decode path: "int8" (ops/quant_linear.Int8GroupHead: int8 codes per 32 values for the whole
+    vocabulary, then its 32 best candidates recomputed in fp32) on CPU, unless float weights were asked for
+    explicitly, which keep the plain fp32 head. The int8 pass reads a quarter of fp32's bytes, and greedy and the top
+    log-probabilities stay those of the fp32 head."""
+    if config.lm_head != "auto":
+        head = config.lm_head
+    elif device.type != "cpu":
+        head = "fp32"
+    elif config.weights in ("fp32", "bf16") or (config.weights == "auto" and config.dtype != "auto"):
+        head = "fp32"
+    else:
+        head = "int8" if weights in ("fp32", "int4", "int8") else "fp32"
+    if head == "int8" and device.type != "cpu":
+        raise NextokenError(f"lm_head=int8 uses a CPU kernel; on {device.type} use fp32")
+    return head
+
+
+def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> str:
+    """The KV cache's storage: explicit `kv_dtype`, else fp32 on CPU (a decode step reads its context as a view,
+    with no conversion) and bf16 on CUDA."""
+    if config.kv_dtype != "auto":
+        return config.kv_dtype
+    return "bf16" if device.type == "cuda" else "fp32"
 
 
 def _all_projections_q4(gguf: GGUFFile) -> bool:
@@ -73,20 +99,23 @@ class ModelRunner:
         self.weights = resolve_weights(config, self.device, gguf)
         self.dtype = torch.bfloat16 if self.weights == "bf16" else torch.float32  # of the float projection weights
         start = time.perf_counter()
+        self.lm_head = resolve_lm_head(config, self.device, self.weights)
         self.model = load_model(gguf, model_config, dtype=self.dtype, device=self.device,
-                                int4=self.weights == "int4")
+                                quant=self.weights if self.weights in ("int4", "int8") else None,
+                                quantize_head=self.lm_head == "int8")
         self.load_seconds = time.perf_counter() - start
-        # Activations, and so the KV cache, are fp32 whatever the weight dtype.
+        # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
+        self.kv_dtype = resolve_kv_dtype(config, self.device)
         self.kv_shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                                torch.float32)
+                                KV_DTYPES[self.kv_dtype])
         self.block_size = config.block_size
         num_blocks = self._num_blocks(max_model_len)
         self.kv_pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device)
-        logger.info("KV cache: %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %d bytes); "
-                    "%d blocks of %d tokens = %d tokens, %.1f MiB", self.kv_shape.bytes_per_token,
-                    model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                    torch.finfo(self.kv_shape.dtype).bits // 8, num_blocks, self.block_size,
-                    self.kv_pool.num_tokens, self.kv_pool.nbytes / 2**20)
+        per_value = {"fp32": "4 bytes", "bf16": "2 bytes", "int8": "1 byte + a 2-byte scale per 32"}[self.kv_dtype]
+        logger.info("KV cache (%s): %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %s); "
+                    "%d blocks of %d tokens = %d tokens, %.1f MiB", self.kv_dtype, self.kv_shape.bytes_per_token,
+                    model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, per_value,
+                    num_blocks, self.block_size, self.kv_pool.num_tokens, self.kv_pool.nbytes / 2**20)
 
     def _num_blocks(self, max_model_len: int) -> int:
         block_bytes = self.kv_shape.bytes_per_token * self.block_size

@@ -24,12 +24,13 @@ ARCHITECTURES: dict[str, type[CausalLM]] = {
 
 def load_model(gguf: GGUFFile, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", progress: Callable[[str], None] | None = None,
-               int4: bool = False) -> CausalLM:
+               quant: str | None = None, quantize_head: bool = False) -> CausalLM:
     cls = ARCHITECTURES.get(config.architecture)
     if cls is None:
         raise ModelLoadError(gguf.path, f"unknown architecture {config.architecture!r}")
     device = torch.device(device)
     with torch.device("meta"):
         model = cls(config)
-    model.load_gguf(gguf, dtype=dtype, device=device, progress=progress, int4=int4)
+    model.load_gguf(gguf, dtype=dtype, device=device, progress=progress, quant=quant,
+                     quantize_head=quantize_head)
     return model.eval()

@@ -13,15 +13,16 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.errors import ModelLoadError
 from nextoken.loader.dequant import dequantize
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.layers import RMSNorm
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import Int4Linear, q4_codes, regroup
+from nextoken.ops.quant_linear import Int4Linear, Int8GroupHead, Int8Linear, q4_codes, q8_codes, regroup
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+KVCache = KVCacheLayer
 
 
 class CausalLM(nn.Module):
@@ -36,6 +37,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
+        self.quantized_head: Int8GroupHead | None = None  # set by load_gguf for integer weights
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -45,8 +47,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.quantized_head is not None:
+            return self.quantized_head(hidden)
+        return torch.nn.functional.linear(hidden, self.head_weight).float()
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,9 +93,12 @@ class CausalLM(nn.Module):
         return tensor
 
     def load_gguf(self, gguf: GGUFFile, dtype: torch.dtype, device: torch.device,
-                  progress: Callable[[str], None] | None = None, int4: bool = False) -> None:
-        """Fill every parameter from the file. With `int4`, projections also get int4 codes for decode (see
-        ops/quant_linear.py), read from Q4_0/Q4_1 blocks directly where the file has them."""
+                  progress: Callable[[str], None] | None = None, quant: str | None = None,
+                  quantize_head: bool = False) -> None:
+        """Fill every parameter from the file. With `quant` "int4" or "int8", projections also get integer codes for
+        decode (see ops/quant_linear.py); int4 codes are read from Q4_0/Q4_1 blocks directly where the file has them.
+        With `quantize_head`, decode rows go through `Int8GroupHead` (CPU only)."""
+        int4 = quant == "int4"
         state: dict[str, torch.Tensor] = {}
         int4_parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         expected = dict(self.named_parameters())
@@ -118,10 +128,23 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
         for param, pieces in int4_parts.items():
             codes, scales, zeros = (torch.cat(column, dim=0) for column in zip(*pieces))
-            owner_name, _, attr = param.rpartition(".weight")[0].rpartition(".")
-            owner = self.get_submodule(owner_name)
-            dense = getattr(owner, attr).weight.data
+            owner, attr, dense = self._projection(param)
             setattr(owner, attr, Int4Linear(codes, scales, zeros, dense))
+        if quant == "int8":
+            for param in state:
+                if param.endswith("_proj.weight"):
+                    owner, attr, dense = self._projection(param)
+                    setattr(owner, attr, Int8Linear(dense))
+        if quantize_head and self.config.hidden_size % 32 == 0:  # int8 groups of 32 along the hidden size
+            name = "token_embd.weight" if self.lm_head is None else "output.weight"
+            info = gguf.tensors[name]
+            codes, scales = q8_codes(gguf.raw(name), info.qtype, self.head_weight)
+            self.quantized_head = Int8GroupHead(self.head_weight, codes, scales)
+
+    def _projection(self, param: str) -> tuple[nn.Module, str, torch.Tensor]:
+        owner_name, _, attr = param.rpartition(".weight")[0].rpartition(".")
+        owner = self.get_submodule(owner_name)
+        return owner, attr, getattr(owner, attr).weight.data
 
     def _int4_codes(self, gguf: GGUFFile, name: str, weight: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

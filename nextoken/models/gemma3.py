@@ -34,8 +34,13 @@ class Gemma3Block(nn.Module):
 class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        global_rope = RotaryEmbedding(config.rope, config.head_dim)
-        local_rope = RotaryEmbedding(config.rope_local or config.rope, config.head_dim)
+        # The file stores Q/K in the half-split ("neox") layout; where every dimension rotates they are loaded in the
+        # interleaved layout instead (one complex multiplication per rotation; see RotaryEmbedding).
+        local = config.rope_local or config.rope
+        self.interleave = config.rope.dim == local.dim == config.head_dim
+        layout = "interleaved" if self.interleave else "neox"
+        global_rope = RotaryEmbedding(config.rope, config.head_dim, layout)
+        local_rope = RotaryEmbedding(local, config.head_dim, layout)
         self.layers = nn.ModuleList(
             Gemma3Block(config, local_rope, config.sliding_window) if sliding else
             Gemma3Block(config, global_rope, None)
@@ -55,3 +60,22 @@ class Gemma3ForCausalLM(CausalLM):
             "mlp.down_proj.weight": ("ffn_down.weight",),
             "post_mlp_norm.weight": ("post_ffw_norm.weight",),
         }
+
+    def transform_tensor(self, gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if not self.interleave:
+            return tensor
+        cfg = self.config
+        if gguf_name.endswith("attn_q.weight"):
+            return to_interleaved(tensor, cfg.num_heads)
+        if gguf_name.endswith("attn_k.weight"):
+            return to_interleaved(tensor, cfg.num_kv_heads)
+        if gguf_name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):  # per head dimension: same order
+            return to_interleaved(tensor, 1)
+        return tensor
+
+
+def to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows [heads * head_dim, ...] in (head, 2, pair) order -> (head, pair, 2) order."""
+    rows = w.shape[0]
+    return (w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:])
+            .transpose(1, 2).reshape(w.shape).contiguous())

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextoken.models.config import RopeConfig
+from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops.attention import AttentionMetadata, paged_attention
 
 
@@ -40,24 +41,34 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, "neox" layout: dimension i pairs with i + dim/2.
+    """Rotary position embedding in one of two layouts of a head's dimensions:
 
-    cos/sin are tabulated in fp32 and grown by doubling as positions get longer, so a 32k-context model does not
-    allocate its whole table up front (and a model built on the meta device holds no rotary state to lose).
+    - "interleaved": dimensions (2i, 2i+1) form pair i (GGML's layout for Llama-family Q/K rows). A head is then a
+      vector of complex numbers and rotating it is one complex multiplication.
+    - "neox": dimension i pairs with i + dim/2 (the half-split layout; also used for partial rotary).
+
+    Attention only uses dot products of q and k, so any layout works as long as q's and k's rows (and per-head norm
+    weights) agree; models pick interleaved, the cheaper one, where they can. cos/sin are tabulated in fp32 and
+    grown by doubling as positions get longer, so a 32k-context model does not allocate its whole table up front (and
+    a model built on the meta device holds no rotary state to lose).
     """
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+    def __init__(self, rope: RopeConfig, head_dim: int, layout: str = "neox") -> None:
         super().__init__()
+        if layout not in ("neox", "interleaved") or (layout == "interleaved" and rope.dim != head_dim):
+            raise ValueError(f"unsupported rotary layout {layout!r} for {rope.dim} of {head_dim} dimensions")
         self.dim = rope.dim
         self.head_dim = head_dim
+        self.layout = layout
         self.theta = rope.theta
         self.scaling_factor = rope.scaling_factor if rope.scaling_type == "linear" else 1.0
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
+        self._cis = torch.empty(0, dtype=torch.complex64)
         self._last_positions: torch.Tensor | None = None
-        self._last: tuple[torch.Tensor, torch.Tensor] = (self._cos, self._sin)
+        self._last: tuple[torch.Tensor, ...] = ()
 
-    def _table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, length: int, device: torch.device) -> None:
         if self._cos.shape[0] < length or self._cos.device != device:
             size = max(256, 1 << (length - 1).bit_length())
             exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
@@ -65,32 +76,44 @@ class RotaryEmbedding(nn.Module):
             positions = torch.arange(size, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, inv_freq)  # [size, dim/2]
             self._cos, self._sin = freqs.cos(), freqs.sin()
-        return self._cos, self._sin
+            self._cis = torch.complex(self._cos, self._sin)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim]; positions [num_tokens]."""
-        cos, sin = self._lookup(positions)
+        """qk [num_tokens, heads + kv_heads, head_dim] (q's heads, then k's); positions [num_tokens] -> rotated
+        (q [num_tokens, heads, head_dim], k [num_tokens, kv_heads, head_dim]), both fp32."""
         # One rotation over q and k side by side: half the small ops of rotating each (decode is op-bound).
-        rotated = self._rotate(torch.cat((q, k), dim=1), cos, sin)  # [num_tokens, heads + kv_heads, head_dim]
-        return rotated[:, :q.shape[1]], rotated[:, q.shape[1]:]
+        rotated = self._interleaved(positions, qk) if self.layout == "interleaved" else self._neox(positions, qk)
+        return rotated[:, :num_q_heads], rotated[:, num_q_heads:]
 
-    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Every layer of one forward pass passes the same positions tensor: gather cos/sin once, not per layer.
+    def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # Every layer of one forward pass passes the same positions tensor: gather the table once, not per layer.
         if positions is not self._last_positions:
-            cos_table, sin_table = self._table(int(positions.max()) + 1, positions.device)
+            self._table(int(positions.max()) + 1, positions.device)
             self._last_positions = positions
-            self._last = (cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1))  # [tokens, 1, dim/2]
+            if self.layout == "interleaved":
+                self._last = (self._cis[positions].unsqueeze(1),)  # [tokens, 1, dim/2] complex
+            else:
+                self._last = (self._cos[positions].unsqueeze(1), self._sin[positions].unsqueeze(1))
         return self._last
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _interleaved(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        (cis,) = self._lookup(positions)
+        x = qk.float()
+        if x.stride(-1) != 1 or x.storage_offset() % 2 or any(st % 2 for st in x.stride()[:-1]):
+            x = x.contiguous()
+        pairs = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # [tokens, heads, dim/2]
+        return torch.view_as_real(pairs * cis).flatten(-2)
+
+    def _neox(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
+        cos, sin = self._lookup(positions)
         half = self.dim // 2
-        xf = x.float()
+        xf = qk.float()
         x1, x2 = xf[..., :half], xf[..., half:self.dim]
         rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         if self.dim < self.head_dim:  # partial rotary: the rest passes through
             rotated = torch.cat((rotated, xf[..., self.dim:]), dim=-1)
-        return rotated.to(x.dtype)
+        return rotated
 
 
 class GatedMLP(nn.Module):
@@ -136,16 +159,15 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.sliding_window)
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
+        q, k = self.rope(positions, qk, self.num_heads)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))

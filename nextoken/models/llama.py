@@ -31,7 +31,9 @@ class LlamaBlock(nn.Module):
 class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
-        rope = RotaryEmbedding(config.rope, config.head_dim)  # one table shared by every layer
+        # One table shared by every layer. The file's Q/K rows are already in the interleaved layout (see below).
+        self.rope_layout = "interleaved" if config.rope.dim == config.head_dim else "neox"
+        rope = RotaryEmbedding(config.rope, config.head_dim, self.rope_layout)
         self.layers = nn.ModuleList(LlamaBlock(config, rope) for _ in range(config.num_layers))
 
     def layer_tensor_map(self) -> dict[str, tuple[str, ...]]:
@@ -46,8 +48,11 @@ class LlamaForCausalLM(CausalLM):
 
     def transform_tensor(self, gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
         # llama.cpp's converter permutes the rows of Q and K so that its interleaved RoPE (pairs 2i, 2i+1) equals
-        # the original half-split RoPE; undo it to use the half-split ("neox") layout everywhere.
+        # the original half-split RoPE. Our interleaved rotary takes them as they are; partial rotary runs in the
+        # half-split ("neox") layout, so there the permutation is undone.
         cfg = self.config
+        if self.rope_layout == "interleaved":
+            return tensor
         if gguf_name.endswith("attn_q.weight"):
             return _unpermute(tensor, cfg.num_heads)
         if gguf_name.endswith("attn_k.weight"):

@@ -1,7 +1,8 @@
 """Paged attention in pure torch: writes new K/V into cache slots, then attends over each sequence's blocks.
 
-The KV cache of one layer is a pair of tensors [num_blocks, block_size, num_kv_heads, head_dim]; a sequence's
-tokens live in the blocks its block table lists, in order. `AttentionMetadata` says, for one forward pass, where
+The KV cache of one layer (`KVCacheLayer`) holds K and V as [num_blocks, block_size, num_kv_heads, head_dim] (fp32,
+bf16, or int8 with scales, read back as the queries' dtype); a sequence's tokens live in the blocks its block table
+lists, in order. `AttentionMetadata` says, for one forward pass, where
 each new token's K/V goes (`slot_mapping`) and which context each sequence attends over. Causality and sliding
 windows are positional: query i of a sequence sits at position seq_len - query_len + i.
 """
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from nextoken.cache.kv_pool import KVCacheLayer
 
 
 @dataclass
@@ -36,19 +39,13 @@ class AttentionMetadata:
         return self.query_start_loc[-1] == self.num_seqs
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([num_tokens, num_kv_heads, head_dim]) into their cache slots."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first_block: int | None) -> torch.Tensor:
-    num_blocks = -(-seq_len // cache.shape[1])
-    if first_block is not None:
-        return cache[first_block:first_block + num_blocks].flatten(0, 1)[:seq_len]
-    # [num_blocks, block_size, kv_heads, head_dim] -> [seq_len, kv_heads, head_dim]
-    return cache.index_select(0, block_table[:num_blocks]).flatten(0, 1)[:seq_len]
+def _gather(cache: KVCacheLayer, which: str, block_table: torch.Tensor, seq_len: int, first_block: int | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """One sequence's K or V -> [seq_len, kv_heads, head_dim]: a view of the cache when its blocks are consecutive
+    and stored in `dtype`, else a gathered copy."""
+    num_blocks = -(-seq_len // cache.k.shape[1])
+    index = slice(first_block, first_block + num_blocks) if first_block is not None else block_table[:num_blocks]
+    return cache.read(which, index, dtype).flatten(0, 1)[:seq_len]
 
 
 def _mask(query_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor | None:
@@ -63,14 +60,14 @@ def _mask(query_len: int, seq_len: int, sliding_window: int | None, device: torc
     return allowed
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer,
+                    meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads,
-    head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it (as stored: a
+    quantized cache's rounding applies to the new tokens too)."""
+    cache.write(k, v, meta.slot_mapping)
     if meta.is_decode_only and meta.num_seqs > 1:
-        return _batched_decode(q, k_cache, v_cache, meta, scale, sliding_window)
+        return _batched_decode(q, cache, meta, scale, sliding_window)
     single = meta.num_seqs == 1
     out = q if single else torch.empty_like(q)
     starts = meta.query_start_loc
@@ -78,12 +75,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         start, end = starts[s], starts[s + 1]
         query_len = end - start
         first = meta.first_blocks[s] if meta.first_blocks is not None else None
-        keys = _gather(k_cache, meta.block_tables[s], seq_len, first)
-        values = _gather(v_cache, meta.block_tables[s], seq_len, first)
+        keys = _gather(cache, "k", meta.block_tables[s], seq_len, first, q.dtype)
+        values = _gather(cache, "v", meta.block_tables[s], seq_len, first, q.dtype)
         # [1, heads, tokens, head_dim] for SDPA; enable_gqa lets K/V keep their fewer heads.
         qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks = keys.to(q.dtype).transpose(0, 1).unsqueeze(0)
-        vs = values.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        ks = keys.transpose(0, 1).unsqueeze(0)
+        vs = values.transpose(0, 1).unsqueeze(0)
         is_plain_causal = query_len == seq_len and (sliding_window is None or seq_len <= sliding_window)
         if is_plain_causal and query_len > 1:
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
@@ -96,15 +93,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def _batched_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, sliding_window: int | None) -> torch.Tensor:
+def _batched_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
+                    sliding_window: int | None) -> torch.Tensor:
     """One new token per sequence: gather every context padded to the longest, one masked SDPA call."""
     max_len = max(meta.seq_lens)
     num_blocks = -(-max_len // meta.block_size)
     table = meta.block_tables[:, :num_blocks]
     # [num_seqs, num_blocks * block_size, kv_heads, head_dim]
-    keys = k_cache[table].flatten(1, 2)[:, :max_len].to(q.dtype)
-    values = v_cache[table].flatten(1, 2)[:, :max_len].to(q.dtype)
+    keys = cache.read("k", table, q.dtype).flatten(1, 2)[:, :max_len]
+    values = cache.read("v", table, q.dtype).flatten(1, 2)[:, :max_len]
     seq_lens = torch.tensor(meta.seq_lens, device=q.device)[:, None]
     k_pos = torch.arange(max_len, device=q.device)[None, :]
     allowed = k_pos < seq_lens  # [num_seqs, max_len]

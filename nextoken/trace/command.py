@@ -24,6 +24,8 @@ class TraceOptions:
     model: str
     dtype: str = "auto"
     weights: str = "auto"
+    kv_dtype: str = "auto"
+    lm_head: str = "auto"
     device: str = "auto"
     raw: bool = False
     system: str | None = None
@@ -45,8 +47,8 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
     if options.html is not None and not options.html.parent.is_dir():
         raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
     console = console or make_console()
-    llm = LLM(options.model, dtype=options.dtype, weights=options.weights, device=options.device,
-              enable_prefix_caching=False)
+    llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
+              lm_head=options.lm_head, device=options.device, enable_prefix_caching=False)
     if settings:
         runs = [run_request(llm, prompt, p, raw=options.raw, system=options.system,
                             tracer=RecordingTracer(top_k=options.top_k)) for p in settings]

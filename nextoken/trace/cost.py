@@ -43,13 +43,13 @@ class ModelCost:
     block_params: int  # q/k/v/o and gate/up/down projections, all layers
     head_params: int  # the LM head (the embedding table when tied)
     weight_bytes: int  # bytes of block projections + LM head as stored (what one forward pass reads)
-    kv_bytes_per_token: int  # 2 x layers x kv_heads x head_dim x KV dtype bytes
+    kv_bytes_per_token: int  # 2 x layers x kv_heads x head_dim x KV dtype bytes (+ int8's scales)
 
     @classmethod
-    def from_config(cls, config: ModelConfig, projection_bytes: float = 4, head_bytes: int = 4,
-                    kv_dtype_bytes: int = 4) -> ModelCost:
-        """projection_bytes: bytes per element of block projection weights (fp32 4, bf16 2, int4 0.625); the head
-        is fp32."""
+    def from_config(cls, config: ModelConfig, projection_bytes: float = 4, head_bytes: float = 4,
+                    kv_bytes_per_token: int | None = None) -> ModelCost:
+        """projection_bytes: bytes per element of block projection weights (fp32 4, bf16 2, int4 0.625);
+        head_bytes: the same for the LM head (fp32 4; quantized 1.25). kv_bytes_per_token: as the pool stores it; default fp32."""
         q = config.num_heads * config.head_dim
         kv = config.num_kv_heads * config.head_dim
         per_layer = (config.hidden_size * (q + 2 * kv)  # qkv_proj
@@ -58,8 +58,9 @@ class ModelCost:
         block_params = config.num_layers * per_layer
         head_params = config.hidden_size * config.vocab_size
         return cls(config=config, block_params=block_params, head_params=head_params,
-                   weight_bytes=int(block_params * projection_bytes) + head_params * head_bytes,
-                   kv_bytes_per_token=2 * config.num_layers * config.num_kv_heads * config.head_dim * kv_dtype_bytes)
+                   weight_bytes=int(block_params * projection_bytes + head_params * head_bytes),
+                   kv_bytes_per_token=kv_bytes_per_token if kv_bytes_per_token is not None
+                   else 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4)
 
     @property
     def matmul_params(self) -> int:

@@ -155,6 +155,9 @@ def _output(console: Console, llm: Any, run: RunResult, s: Summary, tracer: Reco
     console.print(f"LM head [{h['shape'][0]:,} x {h['shape'][1]:,}] {h['dtype']}, {human_bytes(h['bytes'])}"
                   f"{' (tied: the embedding table)' if h['tied'] else ''}: final hidden state -> one logit per "
                   f"vocabulary entry, computed for the sampled row only")
+    if h.get("quantized"):
+        console.print("  decode rows: int8 codes per 32 values (two 4-bit kernel calls) for the whole vocabulary, "
+                      "then the 32 highest logits recomputed in fp32")
     how = "greedy (argmax after penalties)" if p.is_greedy else \
         f"temperature {p.temperature:g}, top-k {p.top_k or 'off'}, top-p {p.top_p:g}, min-p {p.min_p:g}, seed {p.seed}"
     console.print(f"sampling: {how}; p raw = softmax of the logits, p final = the distribution drawn from")
@@ -200,10 +203,10 @@ def _cost(console: Console, s: Summary) -> None:
     for key, label in (("prefill_tokens_per_s", "prefill tokens/s"), ("decode_tokens_per_s", "decode tokens/s")):
         table.add_row(label, f"{b[key]:,.1f}" if b.get(key) else "-", f"{t[key]:,.1f}" if t.get(key) else "-")
     console.print(table)
-    kv_bytes = s.kv_bytes_per_token // (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
+    kv_bytes = s.kv_bytes_per_token / (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim)
     num_tokens = s.num_prefill_tokens + s.num_decode_steps
     console.print(f"KV cache per token: 2 x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x {cfg.head_dim} "
-                  f"head dim x {kv_bytes} bytes = {s.kv_bytes_per_token:,} B; this request: {num_tokens} tokens "
+                  f"head dim x {kv_bytes:g} bytes = {s.kv_bytes_per_token:,} B; this request: {num_tokens} tokens "
                   f"= {human_bytes(num_tokens * s.kv_bytes_per_token)}")
     console.print(f"allocated: pool {human_bytes(s.kv_pool_bytes)}; this request held {s.blocks_used} blocks x "
                   f"{human_bytes(s.kv_block_bytes)} = {human_bytes(s.blocks_used * s.kv_block_bytes)}")

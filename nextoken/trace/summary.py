@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nextoken.ops.quant_linear import Int4Linear
+from nextoken.ops.quant_linear import Int4Linear, Int8Linear
 from nextoken.trace.cost import MachinePeaks, ModelCost
 from nextoken.trace.run import RunResult
 from nextoken.trace.tracer import RecordingTracer
@@ -82,13 +82,20 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
     model = engine.runner.model
     cfg = engine.model_config
     projection = model.layers[0].attn.qkv_proj
-    # int4 projections: half a byte per weight plus a bf16 scale and zero per 32 (the decode path's reads).
-    projection_bytes = 0.5 + 4 / 32 if isinstance(projection, Int4Linear) else projection.weight.element_size()
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    # Integer projections: what the decode path reads per weight (int4: half a byte plus a bf16 scale and zero per
+    # 32; int8: one byte plus a bf16 scale per row).
+    if isinstance(projection, Int4Linear):
+        projection_bytes = 0.5 + 4 / 32
+    elif isinstance(projection, Int8Linear):
+        projection_bytes = 1 + 2 / projection.in_features
+    else:
+        projection_bytes = projection.weight.element_size()
+    head = model.head_weight
+    # A quantized head reads two 4-bit halves of int8 codes, each with a bf16 scale and zero per 32, per decode row.
+    head_bytes = 2 * (0.5 + 4 / 32) if model.quantized_head is not None else head.element_size()
     pool = engine.runner.kv_pool
-    kv_dtype_bytes = pool.layers[0][0].element_size()
-    cost = ModelCost.from_config(cfg, projection_bytes=projection_bytes, head_bytes=head.element_size(),
-                                 kv_dtype_bytes=kv_dtype_bytes)
+    cost = ModelCost.from_config(cfg, projection_bytes=projection_bytes, head_bytes=head_bytes,
+                                 kv_bytes_per_token=pool.shape.bytes_per_token)
     prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0
     num_prefill = num_decode = 0
     for step in tracer.steps:
@@ -112,7 +119,8 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
         kv_bytes_per_token=cost.kv_bytes_per_token, kv_pool_bytes=pool.nbytes,
         kv_block_bytes=cost.kv_bytes_per_token * engine.runner.block_size, blocks_used=tracer.max_blocks,
         embedding={**_describe(model.embed_tokens.weight), "scale": cfg.embedding_scale},
-        lm_head={**_describe(head), "tied": model.lm_head is None},
+        lm_head={**_describe(head), "tied": model.lm_head is None,
+                 "quantized": model.quantized_head is not None},
         cost=cost, peaks=peaks,
         baseline_s=baseline.total_s if baseline is not None else None,
         same_tokens=baseline.output_ids == run.output_ids if baseline is not None else None,
