@@ -1,7 +1,10 @@
 """Shared by the benchmark scripts: the anchors' figures, timing helpers and result files.
 
-Anchors are copied from ANCHORS.md (measured 2026-11-29 on this machine class, 2 threads): llama.cpp and
-transformers on the same GGUF files. Benchmarks print our figure beside them and the ratio.
+Anchors are copied from ANCHORS.md (measured 2026-11-29, 2 threads, on a machine with AVX-512 and AMX): llama.cpp and
+transformers on the same GGUF files. "llama.cpp AVX2" is llama.cpp measured on a 2-core AVX2 machine (AMD EPYC, no
+AVX-512/AMX, where bf16 GEMMs are emulated) on 2026-11-30: llama-bench -p 512 -n 128 -t 2 -r 3 and
+llama-batched-bench -npp 128 -ntg 128 -npl 1,16,64 -t 2, built from source with GGML_NATIVE. Benchmarks print our
+figure beside them and the ratio; compare with the row measured on the machine you run on.
 """
 
 from __future__ import annotations
@@ -16,17 +19,17 @@ RESULTS = Path(__file__).parent / "results"
 
 ANCHORS = {
     "smollm2-135m-instruct": {
-        "prefill_512": {"llama.cpp": 263, "transformers fp32": 847, "transformers bf16": 2633},
-        "decode_1": {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23},
-        "decode_16": {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256},
-        "decode_64": {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581},
+        "prefill_512": {"llama.cpp": 263, "transformers fp32": 847, "transformers bf16": 2633, "llama.cpp AVX2": 188.5},
+        "decode_1": {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23, "llama.cpp AVX2": 93.1},
+        "decode_16": {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256, "llama.cpp AVX2": 149.9},
+        "decode_64": {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581, "llama.cpp AVX2": 144.5},
         "load_s": {"transformers fp32": 17, "transformers bf16": 16},
     },
     "gemma-3-270m": {
-        "prefill_512": {"llama.cpp": 544, "transformers fp32": 823, "transformers bf16": 2115},
-        "decode_1": {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17},
-        "decode_16": {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190},
-        "decode_64": {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427},
+        "prefill_512": {"llama.cpp": 544, "transformers fp32": 823, "transformers bf16": 2115, "llama.cpp AVX2": 321.4},
+        "decode_1": {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17, "llama.cpp AVX2": 58.5},
+        "decode_16": {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190, "llama.cpp AVX2": 117.2},
+        "decode_64": {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427, "llama.cpp AVX2": 130.5},
         "load_s": {"transformers fp32": 48, "transformers bf16": 43},
     },
 }

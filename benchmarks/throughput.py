@@ -38,19 +38,20 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_PROMPTS = ROOT / "tests" / "data" / "reference" / "smollm2" / "hf.json"
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 
-# Copied from /work/shared/ANCHORS.md, "The numbers to beat", measured 2026-11-29 on this machine class (2 threads,
+# Copied from ANCHORS.md, "The numbers to beat", measured 2026-11-29 on a machine with AVX-512 and AMX (2 threads,
 # medians of at least 3 runs): aggregate decode tokens/s of B sequences x 128 new tokens (llama.cpp:
 # llama-batched-bench -npp 128 -ntg 128 -t 2; transformers 5.24 fp32/bf16: a greedy loop with its KV cache).
+# "llama.cpp AVX2": the same llama.cpp commands on a 2-core AVX2 machine (see benchmarks/common.py).
 ANCHORS: dict[str, dict[int, dict[str, float]]] = {
     "smollm2-135m-instruct": {
-        1: {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23},
-        16: {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256},
-        64: {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581},
+        1: {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23, "llama.cpp AVX2": 93.1},
+        16: {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256, "llama.cpp AVX2": 149.9},
+        64: {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581, "llama.cpp AVX2": 144.5},
     },
     "gemma-3-270m": {
-        1: {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17},
-        16: {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190},
-        64: {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427},
+        1: {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17, "llama.cpp AVX2": 58.5},
+        16: {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190, "llama.cpp AVX2": 117.2},
+        64: {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427, "llama.cpp AVX2": 130.5},
     },
 }
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the user's question accurately and concisely, and say so "
