@@ -71,6 +71,14 @@ def test_run_json_answers_and_reports() -> None:
     assert data["timings"]["time_to_first_token_s"] > 0
 
 
+@pytest.mark.parametrize("formats", [["--weights", "int8", "--kv-dtype", "int8"],
+                                     ["--weights", "int4", "--kv-dtype", "bf16", "--lm-head", "fp32"]])
+def test_run_with_narrow_formats_still_answers(formats: list[str]) -> None:
+    out = nextoken("run", "--json", *formats, "--max-tokens", "16", "What is the capital of France?")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in json.loads(out.stdout)["text"]
+
+
 def test_run_prompt_logprobs_match_reference() -> None:
     ref = load_reference("smollm2", "hf_top5.json")["prompts"][0]  # en_capital
     prompt = load_reference("smollm2", "hf.json")["prompts"][0]["text"]
@@ -103,6 +111,8 @@ def test_run_streams_from_stdin_with_tiny_model(tiny_llama: Path) -> None:
     (["detokenize", "99999999"], "outside the vocabulary"),
     (["detokenize", "abc"], "not an integer"),
     (["frobnicate"], "invalid choice"),
+    (["run", "--kv-dtype", "fp8", "hi"], "argument --kv-dtype: invalid choice: 'fp8'"),
+    (["run", "--weights", "int2", "hi"], "argument --weights: invalid choice: 'int2'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     out = nextoken(*args)

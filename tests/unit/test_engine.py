@@ -149,3 +149,30 @@ def test_chat_special_text_in_content_stays_plain(tiny_llama: Path) -> None:
     # The template's own <|im_start|>/<|im_end|> are control tokens; the user's typed one is not.
     assert ids.count(im_end[0]) == 1
     assert llm.tokenizer.decode(ids) == text
+
+
+@pytest.mark.parametrize(("options", "weights", "head"), [
+    ({}, "fp32", "int8"),  # tiny files are F32: fp32 projections, the int8 head on CPU
+    ({"weights": "fp32"}, "fp32", "fp32"),  # float weights asked for: the exact head too
+    ({"dtype": "float32"}, "fp32", "fp32"),
+    ({"weights": "int8"}, "int8", "int8"),
+    ({"weights": "int8", "lm_head": "fp32"}, "int8", "fp32"),
+])
+def test_format_defaults(tiny_llama: Path, options: dict, weights: str, head: str) -> None:
+    llm = LLM(str(tiny_llama), device="cpu", kv_cache_bytes=8 << 20, **options)
+    runner = llm.engine.runner
+    assert (runner.weights, runner.lm_head, runner.kv_dtype) == (weights, head, "fp32")
+    assert (runner.model.quantized_head is not None) == (head == "int8")
+    out = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 4
+
+
+def test_int8_head_keeps_greedy_tokens_and_top_logprobs(tiny: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    exact = _llm(tiny, lm_head="fp32").generate(PROMPTS, params, use_tqdm=False)
+    cheap = _llm(tiny, lm_head="int8").generate(PROMPTS, params, use_tqdm=False)
+    for a, b in zip(exact, cheap):
+        assert a.token_ids == b.token_ids
+        for (chosen_a, top_a), (chosen_b, top_b) in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert [t for t, _ in top_a] == [t for t, _ in top_b]
+            assert abs(chosen_a - chosen_b) < 1e-3  # only the normalizer sees the cheap pass's tail
