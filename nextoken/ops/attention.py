@@ -9,7 +9,7 @@ windows are positional: query i of a sequence sits at position seq_len - query_l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,9 +30,28 @@ class AttentionMetadata:
     # in order), so its context is a view of the cache rather than a gathered copy; None otherwise.
     first_blocks: list[int | None] | None = None
 
+    # Built on first use, shared by every layer of the pass: batched decode's groups and attention masks.
+    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    _groups: list[tuple[torch.Tensor, list[int], dict[int | None, torch.Tensor]]] | None = None
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    def decode_groups(self) -> list[tuple[torch.Tensor, list[int], dict[int | None, torch.Tensor]]]:
+        """Sequences grouped by context length so that padding each to its group's longest wastes little: sorted by
+        length, a group closes when the next sequence is more than twice its shortest (and a block) longer. Each:
+        (row indices, their lengths, a mask cache). One group (no index) when the lengths are close anyway."""
+        if self._groups is None:
+            order = sorted(range(self.num_seqs), key=self.seq_lens.__getitem__)
+            runs: list[list[int]] = [[order[0]]]
+            for i in order[1:]:
+                if self.seq_lens[i] > 2 * self.seq_lens[runs[-1][0]] + self.block_size:
+                    runs.append([])
+                runs[-1].append(i)
+            device = self.block_tables.device
+            self._groups = [(torch.tensor(run, device=device), [self.seq_lens[i] for i in run], {}) for run in runs]
+        return self._groups
 
     @property
     def is_decode_only(self) -> bool:
@@ -95,20 +114,37 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 
 def _batched_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence: gather every context padded to the longest, one masked SDPA call."""
-    max_len = max(meta.seq_lens)
-    num_blocks = -(-max_len // meta.block_size)
-    table = meta.block_tables[:, :num_blocks]
+    """One new token per sequence. Sequences of similar context length form a group (see `_decode_groups`); each
+    group's contexts are gathered padded to its longest, and attended in one masked SDPA call."""
+    groups = meta.decode_groups()
+    if len(groups) == 1:
+        return _decode_group(q, cache, meta.block_tables, meta.seq_lens, meta.block_size, scale, sliding_window,
+                             meta.decode_masks)
+    out = torch.empty_like(q)
+    for index, seq_lens, masks in groups:
+        out[index] = _decode_group(q[index], cache, meta.block_tables[index], seq_lens, meta.block_size, scale,
+                                   sliding_window, masks)
+    return out
+
+
+def _decode_group(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, seq_lens: list[int],
+                  block_size: int, scale: float, sliding_window: int | None,
+                  masks: dict[int | None, torch.Tensor]) -> torch.Tensor:
+    max_len = max(seq_lens)
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks]
     # [num_seqs, num_blocks * block_size, kv_heads, head_dim]
     keys = cache.read("k", table, q.dtype).flatten(1, 2)[:, :max_len]
     values = cache.read("v", table, q.dtype).flatten(1, 2)[:, :max_len]
-    seq_lens = torch.tensor(meta.seq_lens, device=q.device)[:, None]
-    k_pos = torch.arange(max_len, device=q.device)[None, :]
-    allowed = k_pos < seq_lens  # [num_seqs, max_len]
-    if sliding_window is not None:
-        allowed &= (seq_lens - 1) - k_pos < sliding_window
+    allowed = masks.get(sliding_window)
+    if allowed is None:  # the same for every layer with this window: built once per forward pass
+        lens = torch.tensor(seq_lens, device=q.device)[:, None]
+        k_pos = torch.arange(max_len, device=q.device)[None, :]
+        allowed = k_pos < lens  # [num_seqs, max_len]
+        if sliding_window is not None:
+            allowed &= (lens - 1) - k_pos < sliding_window
+        allowed = masks[sliding_window] = allowed[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [num_seqs, heads, 1, head_dim]
-        keys.transpose(1, 2), values.transpose(1, 2),
-        attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=True)
+        keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -85,3 +85,18 @@ def test_paged_attention_matches_reference(kv_dtype: str, window: int | None) ->
     seqs.step([0, 0, 1], gen)  # one sequence alone (scattered blocks)
     seqs.step([1, 0, 0], gen)  # one sequence alone (consecutive blocks: a view of the cache)
     seqs.step([1, 1, 1], gen)  # batched decode past the window, contexts of different lengths
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+def test_batched_decode_groups_far_apart_lengths(kv_dtype: str, window: int | None) -> None:
+    gen = torch.Generator().manual_seed(1)
+    seqs = Sequences([[30, 31], [20, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [13, 14, 15, 16, 17, 18]], kv_dtype, window)
+    seqs.step([3, 40, 21], gen)
+    meta_lengths = [4, 41, 22]
+    # Contexts of 4, 22 and 41 tokens: padding all to 41 would be mostly waste; they decode in two groups.
+    groups = AttentionMetadata(torch.zeros(3, dtype=torch.long), [0, 1, 2, 3], meta_lengths,
+                               torch.zeros(3, 11, dtype=torch.long), BLOCK).decode_groups()
+    assert [lens for _, lens, _ in groups] == [[4], [22, 41]]
+    seqs.step([1, 1, 1], gen)
+    seqs.step([1, 1, 1], gen)
