@@ -23,9 +23,8 @@ from nextoken import LLM, SamplingParams
 
 
 def run(model: str, weights: str, batch: int, steps: int, kv_dtype: str) -> str:
-    options = {"kv_dtype": kv_dtype} if kv_dtype != "auto" else {}
-    llm = LLM(model, weights=weights, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20,
-              **options)
+    llm = LLM(model, weights=weights, kv_dtype=kv_dtype, device="cpu", enable_prefix_caching=False,
+              kv_cache_bytes=256 << 20)
     engine = llm.engine
     ids = prompt_ids(llm, 128 + batch)
     params = SamplingParams(temperature=0, max_tokens=steps * 3 + 8, ignore_eos=True)
@@ -45,8 +44,7 @@ def run(model: str, weights: str, batch: int, steps: int, kv_dtype: str) -> str:
     events = prof.key_averages()
     ops = sum(e.count for e in events if e.key.startswith("aten::")) / steps
     table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=48)
-    header = (f"{model}, weights {llm.engine.runner.weights}, KV {getattr(llm.engine.runner, 'kv_dtype', 'fp32')}, "
-              f"batch {batch}, "
+    header = (f"{model}, weights {llm.engine.runner.weights}, KV {llm.engine.runner.kv_dtype}, batch {batch}, "
               f"context ~{128 + steps * 3}: {wall * 1e3:.1f} ms per step without the profiler, "
               f"{batch / wall:.1f} tok/s; {ops:.0f} aten ops per step (profiled over {steps} steps)\n")
     return header + table

@@ -56,22 +56,17 @@ def resolve_weights(config: EngineConfig, device: torch.device, gguf: GGUFFile) 
     return weights
 
 
-def resolve_lm_head(config: EngineConfig, device: torch.device, weights: str) -> str:
+def resolve_lm_head(config: EngineConfig, device: torch.device) -> str:
     """The LM head's decode path: "int8" (ops/quant_linear.Int8GroupHead: int8 codes per 32 values for the whole
     vocabulary, then its 32 best candidates recomputed in fp32) on CPU, unless float weights were asked for
     explicitly, which keep the plain fp32 head. The int8 pass reads a quarter of fp32's bytes, and greedy and the top
     log-probabilities stay those of the fp32 head."""
-    if config.lm_head != "auto":
-        head = config.lm_head
-    elif device.type != "cpu":
-        head = "fp32"
-    elif config.weights in ("fp32", "bf16") or (config.weights == "auto" and config.dtype != "auto"):
-        head = "fp32"
-    else:
-        head = "int8" if weights in ("fp32", "int4", "int8") else "fp32"
-    if head == "int8" and device.type != "cpu":
+    if config.lm_head == "auto":
+        float_asked = config.weights in ("fp32", "bf16") or (config.weights == "auto" and config.dtype != "auto")
+        return "int8" if device.type == "cpu" and not float_asked else "fp32"
+    if config.lm_head == "int8" and device.type != "cpu":
         raise NextokenError(f"lm_head=int8 uses a CPU kernel; on {device.type} use fp32")
-    return head
+    return config.lm_head
 
 
 def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> str:
@@ -98,8 +93,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.weights = resolve_weights(config, self.device, gguf)
         self.dtype = torch.bfloat16 if self.weights == "bf16" else torch.float32  # of the float projection weights
+        self.lm_head = resolve_lm_head(config, self.device)
         start = time.perf_counter()
-        self.lm_head = resolve_lm_head(config, self.device, self.weights)
         self.model = load_model(gguf, model_config, dtype=self.dtype, device=self.device,
                                 quant=self.weights if self.weights in ("int4", "int8") else None,
                                 quantize_head=self.lm_head == "int8")

@@ -22,8 +22,6 @@ from nextoken.models.layers import RMSNorm
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import Int4Linear, Int8GroupHead, Int8Linear, q4_codes, q8_codes, regroup
 
-KVCache = KVCacheLayer
-
 
 class CausalLM(nn.Module):
     """Base class: subclasses set `self.layers` (blocks called as layer(x, positions, kv_cache, meta))."""
@@ -37,7 +35,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
-        self.quantized_head: Int8GroupHead | None = None  # set by load_gguf for integer weights
+        self.quantized_head: Int8GroupHead | None = None  # set by load_gguf(quantize_head=True)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -55,7 +53,7 @@ class CausalLM(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> logits [len(logits_indices) or num_tokens, vocab] (fp32).
 

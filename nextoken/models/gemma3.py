@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nextoken.models.base import CausalLM, KVCache
+from nextoken.cache.kv_pool import KVCacheLayer
+from nextoken.models.base import CausalLM
 from nextoken.models.config import ModelConfig
-from nextoken.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from nextoken.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, rotary_rows
 from nextoken.ops.attention import AttentionMetadata
 
 
@@ -25,7 +26,7 @@ class Gemma3Block(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.ffn_size, activation="gelu_tanh")
         self.post_mlp_norm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.post_attn_norm(self.attn(self.input_norm(x), positions, kv_cache, meta))
         return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
@@ -66,16 +67,10 @@ class Gemma3ForCausalLM(CausalLM):
             return tensor
         cfg = self.config
         if gguf_name.endswith("attn_q.weight"):
-            return to_interleaved(tensor, cfg.num_heads)
+            return rotary_rows(tensor, cfg.num_heads, to="interleaved")
         if gguf_name.endswith("attn_k.weight"):
-            return to_interleaved(tensor, cfg.num_kv_heads)
+            return rotary_rows(tensor, cfg.num_kv_heads, to="interleaved")
         if gguf_name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):  # per head dimension: same order
-            return to_interleaved(tensor, 1)
+            return rotary_rows(tensor, 1, to="interleaved")
         return tensor
 
-
-def to_interleaved(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rows [heads * head_dim, ...] in (head, 2, pair) order -> (head, pair, 2) order."""
-    rows = w.shape[0]
-    return (w.reshape(num_heads, 2, rows // num_heads // 2, *w.shape[1:])
-            .transpose(1, 2).reshape(w.shape).contiguous())

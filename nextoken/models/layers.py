@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nextoken.models.config import RopeConfig
 from nextoken.cache.kv_pool import KVCacheLayer
+from nextoken.models.config import RopeConfig
 from nextoken.ops.attention import AttentionMetadata, paged_attention
 
 
@@ -114,6 +114,14 @@ class RotaryEmbedding(nn.Module):
         if self.dim < self.head_dim:  # partial rotary: the rest passes through
             rotated = torch.cat((rotated, xf[..., self.dim:]), dim=-1)
         return rotated
+
+
+def rotary_rows(w: torch.Tensor, num_heads: int, to: str) -> torch.Tensor:
+    """Reorder a head's rows (dim 0 of [heads * head_dim, ...]) between the rotary layouts: half-split order
+    (head, 2, pair) -> interleaved (head, pair, 2) with to="interleaved", and back with to="neox"."""
+    pairs = w.shape[0] // num_heads // 2
+    split = (num_heads, 2, pairs) if to == "interleaved" else (num_heads, pairs, 2)
+    return w.reshape(*split, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 class GatedMLP(nn.Module):

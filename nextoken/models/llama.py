@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nextoken.models.base import CausalLM, KVCache
+from nextoken.cache.kv_pool import KVCacheLayer
+from nextoken.models.base import CausalLM
 from nextoken.models.config import ModelConfig
-from nextoken.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention
+from nextoken.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, SelfAttention, rotary_rows
 from nextoken.ops.attention import AttentionMetadata
 
 
@@ -22,7 +23,7 @@ class LlamaBlock(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.ffn_size, activation="silu")
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), positions, kv_cache, meta)
         return x + self.mlp(self.post_attn_norm(x))
@@ -54,14 +55,8 @@ class LlamaForCausalLM(CausalLM):
         if self.rope_layout == "interleaved":
             return tensor
         if gguf_name.endswith("attn_q.weight"):
-            return _unpermute(tensor, cfg.num_heads)
+            return rotary_rows(tensor, cfg.num_heads, to="neox")
         if gguf_name.endswith("attn_k.weight"):
-            return _unpermute(tensor, cfg.num_kv_heads)
+            return rotary_rows(tensor, cfg.num_kv_heads, to="neox")
         return tensor
 
-
-def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[heads * head_dim, in] rows in (head, pair, 2) order -> (head, 2, pair) order."""
-    out_features = w.shape[0]
-    return (w.reshape(num_heads, out_features // num_heads // 2, 2, *w.shape[1:])
-            .transpose(1, 2).reshape(w.shape).contiguous())

@@ -2,9 +2,9 @@
 
 The KV cache of one layer (`KVCacheLayer`) holds K and V as [num_blocks, block_size, num_kv_heads, head_dim] (fp32,
 bf16, or int8 with scales, read back as the queries' dtype); a sequence's tokens live in the blocks its block table
-lists, in order. `AttentionMetadata` says, for one forward pass, where
-each new token's K/V goes (`slot_mapping`) and which context each sequence attends over. Causality and sliding
-windows are positional: query i of a sequence sits at position seq_len - query_len + i.
+lists, in order. `AttentionMetadata` says, for one forward pass, where each new token's K/V goes (`slot_mapping`) and
+which context each sequence attends over. Causality and sliding windows are positional: query i of a sequence sits
+at position seq_len - query_len + i.
 """
 
 from __future__ import annotations
@@ -15,6 +15,14 @@ import torch
 import torch.nn.functional as F
 
 from nextoken.cache.kv_pool import KVCacheLayer
+
+
+@dataclass
+class DecodeGroup:
+    index: torch.Tensor | None  # rows of the batch in this group; None: all, in order
+    block_tables: torch.Tensor
+    seq_lens: list[int]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built on first use
 
 
 @dataclass
@@ -30,18 +38,17 @@ class AttentionMetadata:
     # in order), so its context is a view of the cache rather than a gathered copy; None otherwise.
     first_blocks: list[int | None] | None = None
 
-    # Built on first use, shared by every layer of the pass: batched decode's groups and attention masks.
-    decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    _groups: list[tuple[torch.Tensor, list[int], dict[int | None, torch.Tensor]]] | None = None
+    # Built on first use and shared by every layer of the pass: batched decode's groups.
+    _groups: list[DecodeGroup] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    def decode_groups(self) -> list[tuple[torch.Tensor, list[int], dict[int | None, torch.Tensor]]]:
+    def decode_groups(self) -> list[DecodeGroup]:
         """Sequences grouped by context length so that padding each to its group's longest wastes little: sorted by
-        length, a group closes when the next sequence is more than twice its shortest (and a block) longer. Each:
-        (row indices, their lengths, a mask cache). One group (no index) when the lengths are close anyway."""
+        length, a group closes when the next sequence is more than twice its shortest (and a block) longer. A single
+        group covers every sequence in batch order (no index)."""
         if self._groups is None:
             order = sorted(range(self.num_seqs), key=self.seq_lens.__getitem__)
             runs: list[list[int]] = [[order[0]]]
@@ -49,8 +56,13 @@ class AttentionMetadata:
                 if self.seq_lens[i] > 2 * self.seq_lens[runs[-1][0]] + self.block_size:
                     runs.append([])
                 runs[-1].append(i)
-            device = self.block_tables.device
-            self._groups = [(torch.tensor(run, device=device), [self.seq_lens[i] for i in run], {}) for run in runs]
+            if len(runs) == 1:
+                self._groups = [DecodeGroup(None, self.block_tables, self.seq_lens)]
+            else:
+                self._groups = []
+                for run in runs:
+                    index = torch.tensor(run, device=self.block_tables.device)
+                    self._groups.append(DecodeGroup(index, self.block_tables[index], [self.seq_lens[i] for i in run]))
         return self._groups
 
     @property
@@ -114,36 +126,32 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
 
 def _batched_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
                     sliding_window: int | None) -> torch.Tensor:
-    """One new token per sequence. Sequences of similar context length form a group (see `_decode_groups`); each
-    group's contexts are gathered padded to its longest, and attended in one masked SDPA call."""
+    """One new token per sequence. Sequences of similar context length form a group (`decode_groups`); each group's
+    contexts are gathered padded to its longest, and attended in one masked SDPA call."""
     groups = meta.decode_groups()
-    if len(groups) == 1:
-        return _decode_group(q, cache, meta.block_tables, meta.seq_lens, meta.block_size, scale, sliding_window,
-                             meta.decode_masks)
+    if groups[0].index is None:
+        return _decode_group(q, cache, groups[0], meta.block_size, scale, sliding_window)
     out = torch.empty_like(q)
-    for index, seq_lens, masks in groups:
-        out[index] = _decode_group(q[index], cache, meta.block_tables[index], seq_lens, meta.block_size, scale,
-                                   sliding_window, masks)
+    for group in groups:
+        out[group.index] = _decode_group(q[group.index], cache, group, meta.block_size, scale, sliding_window)
     return out
 
 
-def _decode_group(q: torch.Tensor, cache: KVCacheLayer, block_tables: torch.Tensor, seq_lens: list[int],
-                  block_size: int, scale: float, sliding_window: int | None,
-                  masks: dict[int | None, torch.Tensor]) -> torch.Tensor:
-    max_len = max(seq_lens)
-    num_blocks = -(-max_len // block_size)
-    table = block_tables[:, :num_blocks]
+def _decode_group(q: torch.Tensor, cache: KVCacheLayer, group: DecodeGroup, block_size: int, scale: float,
+                  sliding_window: int | None) -> torch.Tensor:
+    max_len = max(group.seq_lens)
+    table = group.block_tables[:, :-(-max_len // block_size)]
     # [num_seqs, num_blocks * block_size, kv_heads, head_dim]
     keys = cache.read("k", table, q.dtype).flatten(1, 2)[:, :max_len]
     values = cache.read("v", table, q.dtype).flatten(1, 2)[:, :max_len]
-    allowed = masks.get(sliding_window)
+    allowed = group.masks.get(sliding_window)
     if allowed is None:  # the same for every layer with this window: built once per forward pass
-        lens = torch.tensor(seq_lens, device=q.device)[:, None]
+        lens = torch.tensor(group.seq_lens, device=q.device)[:, None]
         k_pos = torch.arange(max_len, device=q.device)[None, :]
         allowed = k_pos < lens  # [num_seqs, max_len]
         if sliding_window is not None:
             allowed &= (lens - 1) - k_pos < sliding_window
-        allowed = masks[sliding_window] = allowed[:, None, None, :]
+        allowed = group.masks[sliding_window] = allowed[:, None, None, :]
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [num_seqs, heads, 1, head_dim]
         keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)

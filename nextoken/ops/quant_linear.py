@@ -26,7 +26,21 @@ GROUP_SIZE = 32
 FUSED_MAX_ROWS = 16
 
 
-class Int8Linear(nn.Module):
+class _DecodeLinear(nn.Module):
+    """A projection with a fused integer kernel for up to FUSED_MAX_ROWS rows and the dense fp32 `weight` above."""
+
+    weight: nn.Parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= FUSED_MAX_ROWS:
+            return self.fused(x.to(torch.bfloat16)).to(x.dtype)
+        return F.linear(x, self.weight)
+
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(_DecodeLinear):
     """Per-channel symmetric int8: scale = max |w| of the row / 127, codes round(w / scale)."""
 
     def __init__(self, dense: torch.Tensor) -> None:
@@ -40,13 +54,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.weight = nn.Parameter(dense, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FUSED_MAX_ROWS:
-            return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales).to(x.dtype)
-        return F.linear(x, self.weight)
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x, self.codes, self.scales)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_DecodeLinear):
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dense: torch.Tensor) -> None:
         """codes [out, in] ints in 0..15; scales, zeros [out, in / 32]; dense [out, in] fp32 for large batches."""
         super().__init__()
@@ -58,12 +70,8 @@ class Int4Linear(nn.Module):
                              .contiguous())
         self.weight = nn.Parameter(dense, requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FUSED_MAX_ROWS:
-            out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE,
-                                                    self.scales_zeros)
-            return out.to(x.dtype)
-        return F.linear(x, self.weight)
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
 
 
 def q4_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]

@@ -53,19 +53,23 @@ class Summary:
 
     @property
     def prefill_gflops(self) -> float | None:
-        return self.prefill_flops / self.prefill_forward_s / 1e9 if self.prefill_forward_s > 0 else None
+        return _giga_per_s(self.prefill_flops, self.prefill_forward_s)
 
     @property
     def decode_gflops(self) -> float | None:
-        return self.decode_flops / self.decode_forward_s / 1e9 if self.decode_forward_s > 0 else None
+        return _giga_per_s(self.decode_flops, self.decode_forward_s)
 
     @property
     def decode_gbps(self) -> float | None:
-        return self.decode_bytes / self.decode_forward_s / 1e9 if self.decode_forward_s > 0 else None
+        return _giga_per_s(self.decode_bytes, self.decode_forward_s)
 
     @property
     def prefill_gbps(self) -> float | None:
-        return self.prefill_bytes / self.prefill_forward_s / 1e9 if self.prefill_forward_s > 0 else None
+        return _giga_per_s(self.prefill_bytes, self.prefill_forward_s)
+
+
+def _giga_per_s(amount: float, seconds: float) -> float | None:
+    return amount / seconds / 1e9 if seconds > 0 else None
 
 
 def _describe(weight: torch.Tensor) -> dict[str, Any]:
