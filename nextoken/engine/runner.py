@@ -10,7 +10,6 @@ import logging
 import time
 
 import torch
-from gguf import GGMLQuantizationType
 
 from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
@@ -20,7 +19,9 @@ from nextoken.errors import NextokenError
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
+from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
+from nextoken.ops.quant_linear import EXACT_BLOCK_TYPES
 
 logger = logging.getLogger("nextoken.engine")
 
@@ -38,10 +39,10 @@ def resolve_device(name: str) -> torch.device:
 def resolve_weights(config: EngineConfig, device: torch.device, gguf: GGUFFile) -> str:
     """The projection weight format: explicit `weights`, else the explicit `dtype`, else the device's default.
 
-    On CPU that is int4 when every projection in the file is Q4_0/Q4_1, whose blocks become int4 codes without loss
-    (SmolLM2: 99.7% top-1 agreement with fp32 through the int4 decode path, a quarter of bf16's bytes per step);
-    files of other types would be regrouped into 4 bits, which costs too much quality (Gemma 3 Q4_K_M: 85%), so
-    they stay fp32. On CUDA, bf16.
+    On CPU that is int4 when every projection in the file is in blocks the native kernels hold exactly (Q4_0, Q4_1,
+    Q4_K as 4-bit; Q5_0, Q6_K, Q8_0 as 8-bit): the same weights as fp32, at a fraction of the bytes (SmolLM2 Q4_1
+    and Gemma 3 Q4_K_M: 100% top-1 agreement with fp32). Files of other types would be requantized, which costs
+    quality, so they stay fp32; so does every file where the native kernels cannot be built. On CUDA, bf16.
     """
     weights = config.weights
     if weights == "auto":
@@ -50,7 +51,7 @@ def resolve_weights(config: EngineConfig, device: torch.device, gguf: GGUFFile) 
         elif device.type == "cuda":
             weights = "bf16"
         else:
-            weights = "int4" if _all_projections_q4(gguf) else "fp32"
+            weights = "int4" if native.library() is not None and _all_projections_exact(gguf) else "fp32"
     if weights in ("int4", "int8") and device.type != "cpu":
         raise NextokenError(f"weights={weights} uses a CPU kernel; on {device.type} use bf16 or fp32")
     return weights
@@ -77,12 +78,11 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
-def _all_projections_q4(gguf: GGUFFile) -> bool:
+def _all_projections_exact(gguf: GGUFFile) -> bool:
     kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     projections = [t for name, t in gguf.tensors.items()
                    if name.startswith("blk.") and name.split(".")[2] in kinds]
-    return bool(projections) and all(t.qtype in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
-                                     for t in projections)
+    return bool(projections) and all(t.qtype in EXACT_BLOCK_TYPES for t in projections)
 
 
 class ModelRunner:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType
 from torch import nn
 
 from nextoken.cache.kv_pool import KVCacheLayer
@@ -18,9 +19,11 @@ from nextoken.errors import ModelLoadError
 from nextoken.loader.dequant import dequantize
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
+from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import RMSNorm
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import Int4Linear, Int8GroupHead, Int8Linear, q4_codes, q8_codes, regroup
+from nextoken.ops.quant_linear import (FLOAT_TYPES, Q4_TYPES, BlockLinear, Int8GroupHead, q4_codes, q4_weight,
+                                       q5_codes, q6_codes, q8_codes, q8_weight, regroup)
 
 
 class CausalLM(nn.Module):
@@ -36,6 +39,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
         self.quantized_head: Int8GroupHead | None = None  # set by load_gguf(quantize_head=True)
+        self.fused: FusedDecoder | None = None  # set by load_gguf where every projection is block-quantized
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -61,8 +65,11 @@ class CausalLM(nn.Module):
         last token.
         """
         x = self.embed(input_ids)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv_cache, meta)
+        if self.fused is not None and self.fused.applies(x, kv_caches, meta):
+            x = self.fused(x, positions, kv_caches, meta)
+        else:
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x = layer(x, positions, kv_cache, meta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.compute_logits(self.norm(x))
@@ -93,12 +100,13 @@ class CausalLM(nn.Module):
     def load_gguf(self, gguf: GGUFFile, dtype: torch.dtype, device: torch.device,
                   progress: Callable[[str], None] | None = None, quant: str | None = None,
                   quantize_head: bool = False) -> None:
-        """Fill every parameter from the file. With `quant` "int4" or "int8", projections also get integer codes for
-        decode (see ops/quant_linear.py); int4 codes are read from Q4_0/Q4_1 blocks directly where the file has them.
-        With `quantize_head`, decode rows go through `Int8GroupHead` (CPU only)."""
-        int4 = quant == "int4"
+        """Fill every parameter from the file. With `quant` "int4" or "int8", projections also get block codes for
+        decode (see ops/quant_linear.py). int4: 4-bit blocks (Q4_0, Q4_1, Q4_K) keep their codes; Q5_0, Q6_K and
+        Q8_0 tensors (llama.cpp's mixes keep some so) become int8 blocks exactly; other types are requantized to
+        int8, float files regrouped into 4 bits. int8: int8 blocks everywhere (Q5_0, Q6_K, Q8_0 exactly). With
+        `quantize_head`, decode rows go through `Int8GroupHead` (CPU only)."""
         state: dict[str, torch.Tensor] = {}
-        int4_parts: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+        sources: dict[str, list[tuple[str, torch.Tensor]]] = {}  # projection -> (file tensor, transformed weight)
         expected = dict(self.named_parameters())
         for param, files in self.gguf_tensor_map().items():
             parts = []
@@ -108,8 +116,8 @@ class CausalLM(nn.Module):
                     raise ModelLoadError(gguf.path, f"missing tensor {name!r}")
                 t = dequantize(gguf.raw(name), info.qtype, info.shape, dtype=torch.float32, name=name)
                 parts.append(self.transform_tensor(name, t))
-                if int4 and param.endswith("_proj.weight"):
-                    int4_parts.setdefault(param, []).append(self._int4_codes(gguf, name, parts[-1]))
+                if quant is not None and param.endswith("_proj.weight"):
+                    sources.setdefault(param, []).append((name, parts[-1]))
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             want = tuple(expected[param].shape)
             if tuple(tensor.shape) != want:
@@ -124,33 +132,46 @@ class CausalLM(nn.Module):
                 progress(param)
         self.load_state_dict(state, strict=True, assign=True)
         self.requires_grad_(False)
-        for param, pieces in int4_parts.items():
-            codes, scales, zeros = (torch.cat(column, dim=0) for column in zip(*pieces))
+        for param, parts in sources.items():
             owner, attr, dense = self._projection(param)
-            setattr(owner, attr, Int4Linear(codes, scales, zeros, dense))
-        if quant == "int8":
-            for param in state:
-                if param.endswith("_proj.weight"):
-                    owner, attr, dense = self._projection(param)
-                    setattr(owner, attr, Int8Linear(dense))
+            setattr(owner, attr, self._block_projection(gguf, parts, dense, quant))
         if quantize_head and self.config.hidden_size % 32 == 0:  # int8 groups of 32 along the hidden size
             name = "token_embd.weight" if self.lm_head is None else "output.weight"
             info = gguf.tensors[name]
             codes, scales = q8_codes(gguf.raw(name), info.qtype, self.head_weight)
             self.quantized_head = Int8GroupHead(self.head_weight, codes, scales)
+        if quant is not None and device.type == "cpu":
+            self.fused = FusedDecoder.build(self)
 
     def _projection(self, param: str) -> tuple[nn.Module, str, torch.Tensor]:
         owner_name, _, attr = param.rpartition(".weight")[0].rpartition(".")
         owner = self.get_submodule(owner_name)
         return owner, attr, getattr(owner, attr).weight.data
 
-    def _int4_codes(self, gguf: GGUFFile, name: str, weight: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        info = gguf.tensors[name]
-        direct = q4_codes(gguf.raw(name), info.qtype, info.shape)
-        if direct is None:
-            return regroup(weight)  # `weight` already has the architecture's layout fix applied
-        # The layout fix is a permutation of rows: find it by transforming the row indices, apply it to the codes.
-        rows = info.shape[0]
-        order = self.transform_tensor(name, torch.arange(rows, dtype=torch.float32)[:, None])[:, 0].long()
-        return tuple(t[order] for t in direct)  # type: ignore[return-value]
+    def _block_projection(self, gguf: GGUFFile, parts: list[tuple[str, torch.Tensor]], dense: torch.Tensor,
+                          quant: str | None) -> BlockLinear:
+        """One fused projection from its file tensors (and their transformed float weights) as `quant` blocks."""
+        blocks = []
+        for name, weight in parts:
+            info = gguf.tensors[name]
+            if quant == "int4" and info.qtype in Q4_TYPES:
+                direct = q4_codes(gguf.raw(name), info.qtype, info.shape)
+                blocks.append(q4_weight(*self._reorder(name, direct)))  # type: ignore[arg-type]
+            elif quant == "int4" and info.qtype in FLOAT_TYPES:
+                blocks.append(q4_weight(*regroup(weight)))  # `weight` already has the layout fix applied
+            elif info.qtype == GGMLQuantizationType.Q5_0:
+                blocks.append(q8_weight(*self._reorder(name, q5_codes(gguf.raw(name), info.shape))))
+            elif info.qtype == GGMLQuantizationType.Q6_K:
+                blocks.append(q8_weight(*self._reorder(name, q6_codes(gguf.raw(name), info.shape))))
+            elif info.qtype == GGMLQuantizationType.Q8_0:
+                blocks.append(q8_weight(*self._reorder(name, q8_codes(gguf.raw(name), info.qtype, weight))))
+            else:
+                blocks.append(q8_weight(*q8_codes(None, None, weight)))
+        return BlockLinear(blocks, dense)
+
+    def _reorder(self, name: str, rows_first: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Apply the architecture's layout fix (a permutation of rows) to codes and scales read from the file: find
+        it by transforming the row indices."""
+        num_rows = rows_first[0].shape[0]
+        order = self.transform_tensor(name, torch.arange(num_rows, dtype=torch.float32)[:, None])[:, 0].long()
+        return tuple(t[order] for t in rows_first)

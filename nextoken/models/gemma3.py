@@ -28,8 +28,14 @@ class Gemma3Block(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.post_attn_norm(self.attn(self.input_norm(x), positions, kv_cache, meta))
-        return x + self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x)))
+        x, h = self.pre_mlp_norm.add(x, self.post_attn_norm(self.attn(self.input_norm(x), positions, kv_cache, meta)))
+        return x + self.post_mlp_norm(self.mlp(h))
+
+
+    def fused_norms(self) -> dict[str, RMSNorm | None]:
+        """The block's norms by role, for the fused decode path (models/fused.py)."""
+        return {"attn_in": self.input_norm, "attn_out": self.post_attn_norm, "mlp_in": self.pre_mlp_norm,
+                "mlp_out": self.post_mlp_norm}
 
 
 class Gemma3ForCausalLM(CausalLM):

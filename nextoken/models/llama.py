@@ -25,8 +25,13 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), positions, kv_cache, meta)
-        return x + self.mlp(self.post_attn_norm(x))
+        x, h = self.post_attn_norm.add(x, self.attn(self.input_norm(x), positions, kv_cache, meta))
+        return x + self.mlp(h)
+
+
+    def fused_norms(self) -> dict[str, RMSNorm | None]:
+        """The block's norms by role, for the fused decode path (models/fused.py)."""
+        return {"attn_in": self.input_norm, "attn_out": None, "mlp_in": self.post_attn_norm, "mlp_out": None}
 
 
 class LlamaForCausalLM(CausalLM):

@@ -9,12 +9,14 @@ at position seq_len - query_len + i.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from nextoken.cache.kv_pool import KVCacheLayer
+from nextoken.ops import native
 
 
 @dataclass
@@ -38,8 +40,9 @@ class AttentionMetadata:
     # in order), so its context is a view of the cache rather than a gathered copy; None otherwise.
     first_blocks: list[int | None] | None = None
 
-    # Built on first use and shared by every layer of the pass: batched decode's groups.
+    # Built on first use and shared by every layer of the pass: batched decode's groups, the native kernel's lists.
     _groups: list[DecodeGroup] | None = field(default=None, init=False, repr=False)
+    _single_queries: tuple[torch.Tensor, ...] | None = field(default=None, init=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -64,6 +67,17 @@ class AttentionMetadata:
                     index = torch.tensor(run, device=self.block_tables.device)
                     self._groups.append(DecodeGroup(index, self.block_tables[index], [self.seq_lens[i] for i in run]))
         return self._groups
+
+    def single_queries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sequences with one new token (decodes), as int64 tensors: (its token's row, its context length, its
+        row of block_tables)."""
+        if self._single_queries is None:
+            starts = self.query_start_loc
+            seqs = [s for s in range(self.num_seqs) if starts[s + 1] - starts[s] == 1]
+            self._single_queries = (torch.tensor([starts[s] for s in seqs], dtype=torch.int64),
+                                    torch.tensor([self.seq_lens[s] for s in seqs], dtype=torch.int64),
+                                    torch.tensor(seqs, dtype=torch.int64))
+        return self._single_queries  # type: ignore[return-value]
 
     @property
     def is_decode_only(self) -> bool:
@@ -97,6 +111,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it (as stored: a
     quantized cache's rounding applies to the new tokens too)."""
     cache.write(k, v, meta.slot_mapping)
+    lib = native.library()
+    if lib is not None and native.attention_applies(q, cache.k):
+        return _native_attention(lib, q, cache, meta, scale, sliding_window)
     if meta.is_decode_only and meta.num_seqs > 1:
         return _batched_decode(q, cache, meta, scale, sliding_window)
     single = meta.num_seqs == 1
@@ -104,24 +121,50 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     starts = meta.query_start_loc
     for s, seq_len in enumerate(meta.seq_lens):
         start, end = starts[s], starts[s + 1]
-        query_len = end - start
         first = meta.first_blocks[s] if meta.first_blocks is not None else None
-        keys = _gather(cache, "k", meta.block_tables[s], seq_len, first, q.dtype)
-        values = _gather(cache, "v", meta.block_tables[s], seq_len, first, q.dtype)
-        # [1, heads, tokens, head_dim] for SDPA; enable_gqa lets K/V keep their fewer heads.
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)
-        ks = keys.transpose(0, 1).unsqueeze(0)
-        vs = values.transpose(0, 1).unsqueeze(0)
-        is_plain_causal = query_len == seq_len and (sliding_window is None or seq_len <= sliding_window)
-        if is_plain_causal and query_len > 1:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            mask = _mask(query_len, seq_len, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        o = _sdpa(q[start:end], cache, meta.block_tables[s], seq_len, first, scale, sliding_window)
         if single:
-            return o.squeeze(0).transpose(0, 1)
-        out[start:end] = o.squeeze(0).transpose(0, 1)
+            return o
+        out[start:end] = o
     return out
+
+
+def _native_attention(lib: ctypes.CDLL, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
+                      sliding_window: int | None) -> torch.Tensor:
+    """On CPU: every decode sequence's query in one native call that reads K/V straight from its blocks (no gather,
+    no padding); sequences with several new tokens (prefill chunks) through SDPA as below."""
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    rows, seq_lens, table_rows = meta.single_queries()
+    if rows.shape[0]:
+        native.decode_attention(lib, q, out, rows, seq_lens, meta.block_tables.contiguous(), table_rows, cache.k,
+                                cache.v, cache.k_scale, cache.v_scale, scale, sliding_window)
+    starts = meta.query_start_loc
+    for s, seq_len in enumerate(meta.seq_lens):
+        start, end = starts[s], starts[s + 1]
+        if end - start > 1:
+            first = meta.first_blocks[s] if meta.first_blocks is not None else None
+            out[start:end] = _sdpa(q[start:end], cache, meta.block_tables[s], seq_len, first, scale, sliding_window)
+    return out
+
+
+def _sdpa(q: torch.Tensor, cache: KVCacheLayer, block_table: torch.Tensor, seq_len: int, first_block: int | None,
+          scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One sequence's new queries [query_len, heads, head_dim] over its context, through torch's SDPA."""
+    query_len = q.shape[0]
+    keys = _gather(cache, "k", block_table, seq_len, first_block, q.dtype)
+    values = _gather(cache, "v", block_table, seq_len, first_block, q.dtype)
+    # [1, heads, tokens, head_dim] for SDPA; enable_gqa lets K/V keep their fewer heads.
+    qs = q.transpose(0, 1).unsqueeze(0)
+    ks = keys.transpose(0, 1).unsqueeze(0)
+    vs = values.transpose(0, 1).unsqueeze(0)
+    is_plain_causal = query_len == seq_len and (sliding_window is None or seq_len <= sliding_window)
+    if is_plain_causal and query_len > 1:
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        mask = _mask(query_len, seq_len, sliding_window, q.device)
+        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.squeeze(0).transpose(0, 1)
 
 
 def _batched_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,

@@ -1,17 +1,22 @@
-"""Weight-only int4 and int8 projections for decode, swapped in after loading (model files stay float-only).
+"""Block-quantized projections for decode, swapped in after loading (model files stay float-only).
 
-Decode multiplies one row per sequence by every weight: it is bound by the bytes it reads. `Int4Linear` keeps the
-weight as 4-bit codes with a bf16 scale and zero per group of 32 (w = (q - 8) * scale + zero, torch's int4 CPU
-kernel layout); `Int8Linear` as int8 codes with one scale per output channel (w = q * scale). Both use torch's fused
-kernels (bf16 activations in, fp32 accumulation) for up to `FUSED_MAX_ROWS` rows; batches larger than that are bound
-by compute instead, where a dense fp32 GEMM wins, so they keep the fp32 weight for them as well.
+Decode multiplies one row per sequence by every weight: it is bound by the bytes it reads. `BlockLinear` holds a
+projection in GGML-style blocks along its input (see `BlockWeight`): 4-bit codes with a scale and offset per 32
+(GGUF Q4_0, Q4_1 and Q4_K blocks all have this form, Q4_K per 32-value sub-block, so their codes are taken as they
+are; float weights are regrouped, min/max over 15 steps), or int8 codes with a scale per 32 (Q8_0's form; other
+weights are quantized with absmax / 127) or per 16 (Q6_K's blocks, exactly). A fused projection may mix them: the
+Q4_K_M files keep some V and down projections in 6 bits.
 
-GGUF Q4_0 and Q4_1 blocks are groups of 32 with exactly this form, so their codes are taken as they are: the int4
-weights equal the file's up to rounding the scales to bf16. Other types are regrouped from their float values
-(per group: min/max over 15 steps).
+The products run in nextoken's own kernels (`ops/native`), which quantize activations to int16 blocks on the fly:
+results match an fp32 matmul over the dequantized weight to about 2e-5. Batches of more than `NATIVE_MAX_ROWS`
+rows are bound by compute instead, where the dense fp32 GEMM wins, so each module keeps the dequantized weight for
+them (`weight`). Where the native kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16
+activations; 4-bit codes with a bf16 scale and zero per 32) and others on the dense weight.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,106 +24,263 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from nextoken.ops import native
+
 GROUP_SIZE = 32
-# Up to this many rows the fused kernels beat an fp32 GEMM over weights streamed from memory (measured with 30
-# layers of SmolLM2's shapes on a 2-core AVX2 machine: int4 1 row 9.0 vs 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188
-# vs 129 ms; int8 1 row 13 ms, 16 rows 72 ms).
-FUSED_MAX_ROWS = 16
+# Rows up to which the block kernels beat the fp32 GEMM over the dequantized weight (SmolLM2's projections, 30
+# layers, 2-core AVX2 machine: native Q4 1 row 5 ms, 16 rows 33 ms, 64 rows 165-175 ms; fp32 GEMM 16 rows 65 ms,
+# 64 rows 129 ms).
+NATIVE_MAX_ROWS = 32
+# The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
+TORCH_INT4_MAX_ROWS = 16
+
+# Activations meet the blocks as int16 codes per 32 values. int8 codes, as llama.cpp uses, measured about 15%
+# faster but cost SmolLM2 1.6 points of top-1 agreement with fp32 (98.4%, KL 2.6e-3; int16: 100%, KL 6e-8).
+
+_Q = GGMLQuantizationType
+Q4_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K)
+FLOAT_TYPES = (_Q.F32, _Q.F16, _Q.BF16)
+EXACT_BLOCK_TYPES = (*Q4_TYPES, _Q.Q5_0, _Q.Q6_K, _Q.Q8_0)  # held without requantizing (Q4 or int8 blocks)
 
 
-class _DecodeLinear(nn.Module):
-    """A projection with a fused integer kernel for up to FUSED_MAX_ROWS rows and the dense fp32 `weight` above."""
-
-    weight: nn.Parameter
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= FUSED_MAX_ROWS:
-            return self.fused(x.to(torch.bfloat16)).to(x.dtype)
-        return F.linear(x, self.weight)
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+Q4, Q8, Q8_HALVES = 4, 8, 6  # the kernels' weight formats (ops/native/kernels.c, nt_block_matmul)
 
 
-class Int8Linear(_DecodeLinear):
-    """Per-channel symmetric int8: scale = max |w| of the row / 127, codes round(w / scale)."""
+@dataclass
+class BlockWeight:
+    """Rows of a projection in one block format:
+    Q4: qs uint8 [rows, cols / 2] nibbles, d and m fp16 [rows, cols / 32]; w = d * q + m.
+    Q8: qs int8 [rows, cols], d fp16 [rows, cols / 32]; w = d * q.
+    Q8_HALVES: qs int8 [rows, cols], d fp32 [rows, cols / 16]; w = d * q (holds Q6_K blocks exactly)."""
 
-    def __init__(self, dense: torch.Tensor) -> None:
+    kind: int
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.qs.shape[0]
+
+    @property
+    def bytes_per_weight(self) -> float:
+        cols = self.qs.shape[1] * (2 if self.kind == Q4 else 1)
+        extra = 0 if self.m is None else self.m.nbytes
+        return (self.qs.nbytes + self.d.nbytes + extra) / (self.rows * cols)
+
+
+def q4_weight(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
+    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m)."""
+    return BlockWeight(Q4, pack_nibbles(codes), d.to(torch.float16).contiguous(), m.to(torch.float16).contiguous())
+
+
+def q8_weight(codes: torch.Tensor, d: torch.Tensor) -> BlockWeight:
+    """From int8 codes [rows, cols] and d [rows, cols / 32], or [rows, cols / 16] (kept fp32: exact for Q6_K)."""
+    halves = d.shape[1] * 16 == codes.shape[1]
+    return BlockWeight(Q8_HALVES if halves else Q8, codes.to(torch.int8).contiguous(),
+                       d.to(torch.float32 if halves else torch.float16).contiguous())
+
+
+def _merge(parts: list[BlockWeight]) -> list[BlockWeight]:
+    """Neighbouring parts of one format become one (fewer kernel calls)."""
+    merged = [parts[0]]
+    for part in parts[1:]:
+        last = merged[-1]
+        if part.kind == last.kind:
+            merged[-1] = BlockWeight(last.kind, torch.cat((last.qs, part.qs)), torch.cat((last.d, part.d)),
+                                     None if last.m is None else torch.cat((last.m, part.m)))  # type: ignore[arg-type]
+        else:
+            merged.append(part)
+    return merged
+
+
+class BlockLinear(nn.Module):
+    """A projection held as block-quantized parts (stacked output rows, each in its own format), for up to
+    `max_rows` rows; the dense fp32 `weight` for larger batches."""
+
+    def __init__(self, parts: list[BlockWeight], dense: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = dense.shape
-        # The kernel takes bf16 scales: round each up (by more than bf16's half step) so the largest weight still
-        # fits in 127, and quantize against the scale as stored.
-        scales = (dense.abs().amax(dim=1).clamp(min=1e-12) / 127 * (1 + 2**-8)).to(torch.bfloat16)
-        codes = (dense / scales.float()[:, None]).round().clamp(-127, 127)
-        self.register_buffer("codes", codes.to(torch.int8))
-        self.register_buffer("scales", scales)
+        if sum(p.rows for p in parts) != self.out_features:
+            raise ValueError("block parts do not add up to the projection's rows")
         self.weight = nn.Parameter(dense, requires_grad=False)
+        self.parts = _merge(parts)
+        self.lib = native.library()
+        if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
+            self.max_rows = NATIVE_MAX_ROWS
+        elif all(p.kind == Q4 for p in self.parts):  # torch's int4 kernel (bf16 activations)
+            self.lib = None
+            self.max_rows = TORCH_INT4_MAX_ROWS
+            codes = torch.cat([unpack_nibbles(p.qs) for p in self.parts])
+            d = torch.cat([p.d for p in self.parts]).float()
+            m = torch.cat([p.m for p in self.parts if p.m is not None]).float()
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
+            # torch's form w = (q - 8) * scale + zero, as [in / 32, out, 2] pairs (scale, zero).
+            self.register_buffer("scales_zeros", _scales_zeros(d, m + 8 * d))
+        else:
+            self.lib = None
+            self.max_rows = 0  # no kernel for these formats here: the dense weight
 
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.codes, self.scales)
+    @property
+    def kinds(self) -> set[int]:
+        return {p.kind for p in self.parts}
+
+    @property
+    def bytes_per_weight(self) -> float:
+        """What the block path reads per weight, scales included."""
+        return sum(p.bytes_per_weight * p.rows for p in self.parts) / self.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.weight)
+        if self.lib is None:
+            out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
+            return out.to(x.dtype)
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        at = 0
+        for p in self.parts:
+            native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows])
+            at += p.rows
+        return out
 
 
-class Int4Linear(_DecodeLinear):
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dense: torch.Tensor) -> None:
-        """codes [out, in] ints in 0..15; scales, zeros [out, in / 32]; dense [out, in] fp32 for large batches."""
-        super().__init__()
-        out_features, in_features = codes.shape
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1))
-        # [in / 32, out, 2]: the kernel's layout of (scale, zero) per group.
-        self.register_buffer("scales_zeros", torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16)
-                             .contiguous())
-        self.weight = nn.Parameter(dense, requires_grad=False)
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    rows = qs.shape[0]
+    blocks = qs.reshape(rows, -1, GROUP_SIZE // 2)
+    return torch.stack((blocks & 0x0F, blocks >> 4), dim=2).reshape(rows, -1)
 
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_zeros)
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] codes 0..15 -> [rows, cols / 2] uint8, GGML's order: byte j of a block holds element j in its
+    low nibble and element j + 16 in its high one."""
+    rows, cols = codes.shape
+    blocks = codes.to(torch.uint8).reshape(rows, cols // GROUP_SIZE, 2, GROUP_SIZE // 2)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
 
 
 def q4_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes [rows, cols], scales, zeros [rows, cols / 32]) read straight from Q4_0 / Q4_1 blocks, else None.
+    """(codes [rows, cols] 0..15, d, m [rows, cols / 32] fp32) with w = d * q + m, read straight from Q4_0, Q4_1 or
+    Q4_K blocks; None for other types.
 
-    Q4_0 block (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8).
-    Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m = (q - 8) * d + (m + 8 d).
-    Element j of a block is the low nibble of byte j, element j + 16 the high nibble.
+    Q4_0 block (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8), so m = -8 d.
+    Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
+    In both, element j of a block is the low nibble of byte j, element j + 16 the high nibble.
+    Q4_K super-block of 256 (144 bytes): fp16 d and dmin, 12 bytes of 6-bit scales sc and mins mn for its 8
+    sub-blocks of 32, then 4 runs of 32 bytes: run r holds sub-block 2r in its low nibbles and 2r + 1 in its high
+    ones. Sub-block s: w = (d * sc_s) * q - dmin * mn_s.
     """
-    if qtype not in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
-        return None
     rows, cols = shape
-    head = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
-    blocks = np.asarray(raw).reshape(rows, cols // GROUP_SIZE, head + 16)  # [rows, groups, bytes]
-    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, groups]
-    nibbles = blocks[..., head:]
-    codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
-    if qtype == GGMLQuantizationType.Q4_0:
-        zeros = np.zeros_like(d)
+    if qtype in (_Q.Q4_0, _Q.Q4_1):
+        head = 2 if qtype == _Q.Q4_0 else 4
+        blocks = np.asarray(raw).reshape(rows, cols // GROUP_SIZE, head + 16)  # [rows, groups, bytes]
+        d = _half(blocks[..., 0:2])
+        nibbles = blocks[..., head:]
+        codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
+        m = -8 * d if qtype == _Q.Q4_0 else _half(blocks[..., 2:4])
+    elif qtype == _Q.Q4_K:
+        blocks = np.asarray(raw).reshape(rows, cols // 256, 144)
+        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+        sc, mn = _k_scales(blocks[..., 4:16])  # [rows, supers, 8]
+        runs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
+        codes = np.stack((runs & 0x0F, runs >> 4), axis=3).reshape(rows, cols)
+        d = (d[..., None] * sc).reshape(rows, cols // GROUP_SIZE)
+        m = -(dmin[..., None] * mn).reshape(rows, cols // GROUP_SIZE)
     else:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zeros = m + 8 * d
-    return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(zeros)
+        return None
+    return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(m)
+
+
+def _half(field: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes of a little-endian fp16 -> [...] fp32."""
+    return np.ascontiguousarray(field).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> (scales, mins) [..., 8] fp32: bytes 0-3 hold the low 6 bits of scales 0-3 (top 2 bits:
+    the high bits of scales 4-7), bytes 4-7 the same for mins, bytes 8-11 the low nibbles of scales 4-7 and mins 4-7
+    (high nibble)."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), axis=-1)
+    mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
 
 
 def regroup(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float weight [rows, cols] -> int4 (codes, scales, zeros) over groups of 32 (min/max in 15 steps)."""
+    """Float weight [rows, cols] -> Q4 (codes, d, m) over blocks of 32 (min/max in 15 steps)."""
     rows, cols = weight.shape
     groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     lo, hi = groups.amin(-1), groups.amax(-1)  # [rows, groups]
-    scales = ((hi - lo) / 15).clamp(min=1e-10)
-    codes = torch.round((groups - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
-    return codes.reshape(rows, cols), scales, lo + 8 * scales
+    d = ((hi - lo) / 15).clamp(min=1e-10)
+    codes = torch.round((groups - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(rows, cols), d, lo
+
+
+def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]): read from Q8_0 blocks (fp16 d, 32 int8 codes;
+    w = d * q) when the tensor is stored so, else quantized from `weight` (absmax / 127 per block). Scales are
+    rounded to fp16 (as the kernels keep them) before the codes are chosen."""
+    rows, cols = weight.shape
+    if qtype == _Q.Q8_0 and raw is not None:
+        blocks = np.asarray(raw).reshape(rows, cols // GROUP_SIZE, 2 + GROUP_SIZE)
+        d = _half(blocks[..., 0:2])
+        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
+        return torch.from_numpy(codes), torch.from_numpy(d)
+    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    # Round the scale up past fp16's half step, so the largest value still fits in 127.
+    scales = (groups.abs().amax(-1) / 127 * (1 + 2**-10)).to(torch.float16).float()
+    codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
+    return codes.to(torch.int8).reshape(rows, cols), scales
+
+
+def q5_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [rows, cols] in -16..15, fp32 scales [rows, cols / 32]) of Q5_0 blocks, exactly: w = d * q.
+
+    Q5_0 block (22 bytes): fp16 d, 4 bytes holding bit 4 of each of the 32 codes (bit j for element j), 16 bytes of
+    nibbles (element j the low nibble of byte j, element j + 16 the high one); w = d * (code - 16).
+    """
+    rows, cols = shape
+    blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 22)
+    d = _half(blocks[:, 0:2])
+    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [blocks, 32]: bit j of the 32-bit mask
+    nibbles = blocks[:, 6:]
+    low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=1)
+    codes = (low | (high << 4)).astype(np.int8) - 16
+    return torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(d.reshape(rows, cols // GROUP_SIZE))
+
+
+def q6_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [rows, cols] in -32..31, fp32 scales [rows, cols / 16]) of Q6_K blocks, exactly: w = d * q.
+
+    Q6_K super-block of 256 (210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales
+    (one per 16 values), fp16 d. In each half of 128 values, low nibbles of bytes 0-31 are values 0-31, of bytes
+    32-63 values 32-63, their high nibbles values 64-95 and 96-127; the 2-bit pairs of byte j at shifts 0, 2, 4, 6
+    are the high bits of values j, j + 32, j + 64, j + 96. A sub-block's scale d * sc is exact in fp32.
+    """
+    rows, cols = shape
+    blocks = np.asarray(raw).reshape(rows * cols // 256, 210)
+    ql, qh, sc = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208].view(np.int8)
+    d = _half(blocks[:, 208:210])
+    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    codes = (low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)).astype(np.int8) - 32
+    scales = d[:, None] * sc.astype(np.float32)  # [blocks, 16]
+    return (torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(scales.reshape(rows, cols // 16)))
 
 
 class Int8GroupHead(nn.Module):
     """The LM head for decode: a cheap pass over the whole vocabulary, then the best candidates rescored exactly.
 
-    The head weight [vocab, hidden] is held as int8 codes with a scale per 32 values (GGML's Q8_0: taken from the
-    file's blocks where the head is Q8_0, else quantized with absmax / 127). No torch CPU kernel takes group-wise
-    int8, but an int8 code is two 4-bit ones, c = 16 * hi + lo (hi in -8..7, lo in 0..15), so the head runs as two
-    calls of the fused int4 kernel: a quarter of fp32's bytes. That kernel rounds activations and outputs to bf16
-    (about 0.05 on a logit of 20), enough to swap near-tied tokens; so the `num_exact` highest logits of each row are
-    recomputed in fp32 from the float weight (which the embedding keeps anyway when tied). Greedy picks the same
-    token as the fp32 head unless the best one is not among those candidates; the tail of the distribution keeps
-    the bf16-level error.
+    The head weight [vocab, hidden] is held as Q8 blocks (taken from the file's blocks where the head is Q8_0, else
+    quantized with absmax / 127): a quarter of fp32's bytes. Where those blocks are requantized, logits move by
+    int8 rounding of the weights, enough to swap near-tied tokens; so the `num_exact` highest logits of each row
+    are recomputed in fp32 from the float weight (which the embedding keeps anyway when tied). Greedy picks the
+    same token as the fp32 head unless the best one is not among those candidates.
+
+    Without native kernels the pass runs on torch's int4 kernel: an int8 code is two 4-bit ones, c = 16 * hi + lo
+    (hi in -8..7, lo in 0..15), so it is two calls of that kernel (bf16 activations and outputs).
     """
 
     def __init__(self, weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, num_exact: int = 32) -> None:
@@ -127,6 +289,11 @@ class Int8GroupHead(nn.Module):
         self.weight = weight  # shared with the embedding when tied: not a parameter of this module
         self.num_exact = num_exact
         self.vocab_size = codes.shape[0]
+        self.lib = native.library()
+        self.max_rows = NATIVE_MAX_ROWS if self.lib is not None else TORCH_INT4_MAX_ROWS
+        if self.lib is not None:
+            self.blocks = q8_weight(codes, scales)
+            return
         pad = -self.vocab_size % 16  # the kernel packs output rows in sixteens
         codes = F.pad(codes.to(torch.int32), (0, 0, 0, pad))
         scales = F.pad(scales.float(), (0, 0, 0, pad))
@@ -139,14 +306,22 @@ class Int8GroupHead(nn.Module):
         self.register_buffer("hi_scales", _scales_zeros(16 * scales, zeros))
         self.register_buffer("lo_scales", _scales_zeros(scales, 8 * scales))
 
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.blocks.bytes_per_weight if self.lib is not None else 2 * (0.5 + 4 / GROUP_SIZE)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] fp32 -> fp32 logits [rows, vocab]."""
-        if x.shape[0] > FUSED_MAX_ROWS:
+        if x.shape[0] > self.max_rows:
             return F.linear(x, self.weight)
-        xb = x.to(torch.bfloat16)
-        logits = torch._weight_int4pack_mm_for_cpu(xb, self.hi, GROUP_SIZE, self.hi_scales).float()
-        logits += torch._weight_int4pack_mm_for_cpu(xb, self.lo, GROUP_SIZE, self.lo_scales)
-        logits = logits[:, :self.vocab_size]
+        if self.lib is not None:
+            logits = torch.empty(x.shape[0], self.vocab_size)
+            native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits)
+        else:
+            xb = x.to(torch.bfloat16)
+            logits = torch._weight_int4pack_mm_for_cpu(xb, self.hi, GROUP_SIZE, self.hi_scales).float()
+            logits += torch._weight_int4pack_mm_for_cpu(xb, self.lo, GROUP_SIZE, self.lo_scales)
+            logits = logits[:, :self.vocab_size]
         candidates = logits.topk(min(self.num_exact, logits.shape[1]), dim=-1).indices  # [rows, k]
         exact = torch.bmm(self.weight[candidates], x.unsqueeze(-1)).squeeze(-1)  # [rows, k, hidden] @ [rows, hidden]
         return logits.scatter_(1, candidates, exact)
@@ -155,19 +330,3 @@ class Int8GroupHead(nn.Module):
 def _scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """[rows, groups] each -> the int4 kernel's [groups, rows, 2] bf16 layout."""
     return torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
-
-
-def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]): read from Q8_0 blocks (fp16 d, 32 int8 codes;
-    w = d * q) when the tensor is stored so, else quantized from `weight` (absmax / 127 per group of 32)."""
-    rows, cols = weight.shape
-    if qtype == GGMLQuantizationType.Q8_0 and raw is not None:
-        blocks = np.asarray(raw).reshape(rows, cols // GROUP_SIZE, 2 + GROUP_SIZE)
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
-        return torch.from_numpy(codes), torch.from_numpy(d)
-    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    scales = groups.abs().amax(-1) / 127
-    codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
-    return codes.to(torch.int8).reshape(rows, cols), scales

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nextoken.ops.quant_linear import Int4Linear, Int8Linear
+from nextoken.ops.quant_linear import BlockLinear
 from nextoken.trace.cost import MachinePeaks, ModelCost
 from nextoken.trace.run import RunResult
 from nextoken.trace.tracer import RecordingTracer
@@ -86,17 +86,13 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
     model = engine.runner.model
     cfg = engine.model_config
     projection = model.layers[0].attn.qkv_proj
-    # Integer projections: what the decode path reads per weight (int4: half a byte plus a bf16 scale and zero per
-    # 32; int8: one byte plus a bf16 scale per row).
-    if isinstance(projection, Int4Linear):
-        projection_bytes = 0.5 + 4 / 32
-    elif isinstance(projection, Int8Linear):
-        projection_bytes = 1 + 2 / projection.in_features
+    # Block-quantized projections and head: what their decode path reads per weight, scales included.
+    if isinstance(projection, BlockLinear):
+        projection_bytes = projection.bytes_per_weight
     else:
         projection_bytes = projection.weight.element_size()
     head = model.head_weight
-    # A quantized head reads two 4-bit halves of int8 codes, each with a bf16 scale and zero per 32, per decode row.
-    head_bytes = 2 * (0.5 + 4 / 32) if model.quantized_head is not None else head.element_size()
+    head_bytes = model.quantized_head.bytes_per_weight if model.quantized_head is not None else head.element_size()
     pool = engine.runner.kv_pool
     cost = ModelCost.from_config(cfg, projection_bytes=projection_bytes, head_bytes=head_bytes,
                                  kv_bytes_per_token=pool.shape.bytes_per_token)

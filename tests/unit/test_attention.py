@@ -10,9 +10,20 @@ import pytest
 import torch
 
 from nextoken.cache.kv_pool import KVPool, KVShape, dequantize_int8, quantize_int8
+from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 4
+
+
+@pytest.fixture(autouse=True, params=["native", "torch"])
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on the native decode kernel and on the torch path it falls back to."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    elif native.library() is None:
+        pytest.fail("the native kernels did not build")
+    return request.param
 STORAGE = {"fp32": torch.float32, "bf16": torch.bfloat16, "int8": torch.int8}
 
 

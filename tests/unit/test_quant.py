@@ -1,6 +1,6 @@
-"""Integer projections: int4 codes read from Q4_0/Q4_1 blocks reproduce the file's weights exactly; int8 codes are
-within half a step of the weights; both modules match a dense matmul within bf16 rounding on the fused path and
-exactly on the dense path."""
+"""Block-quantized weights: codes read from every supported GGUF block type reproduce the loader's (ggml-exact)
+dequantization; `BlockLinear` matches a dense matmul over those weights on the native kernels, the torch int4
+fallback and the dense path; the int8 head keeps the fp32 head's best logits exactly."""
 
 from __future__ import annotations
 
@@ -12,90 +12,146 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from nextoken.loader.dequant import dequantize
-from nextoken.ops.quant_linear import (FUSED_MAX_ROWS, Int4Linear, Int8GroupHead, Int8Linear, q4_codes, q8_codes,
-                                        regroup)
+from nextoken.ops import native
+from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockLinear, Int8GroupHead, q4_codes,
+                                        q4_weight, q5_codes, q6_codes, q8_codes, q8_weight, regroup, unpack_nibbles)
+
+_Q = GGMLQuantizationType
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def random_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Raw blocks of `qtype` (random codes and scales; every fp16 field a sane positive number)."""
+    rng = np.random.default_rng(seed)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    halves = {_Q.Q4_K: (0, 2), _Q.Q6_K: (208,)}[qtype]
+    for at in halves:
+        raw[:, at:at + 2] = rng.uniform(0.001, 0.05, (raw.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw.reshape(-1)
+
+
+def rebuild_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return codes.float() * d.repeat_interleave(32, 1) + m.repeat_interleave(32, 1)
+
+
+def rebuild_q8(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return codes.float() * d.float().repeat_interleave(codes.shape[1] // d.shape[1], 1)
+
+
+@pytest.mark.parametrize("qtype", [_Q.Q4_0, _Q.Q4_1, _Q.Q4_K])
 def test_q4_codes_reproduce_dequantized_weights(qtype: GGMLQuantizationType) -> None:
-    rng = np.random.default_rng(0)
-    weight = rng.standard_normal((48, 128)).astype(np.float32)
-    raw = gguf.quants.quantize(weight, qtype).reshape(-1)
-    expected = dequantize(raw, qtype, (48, 128))
-    codes, scales, zeros = q4_codes(raw, qtype, (48, 128))
-    rebuilt = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
-    torch.testing.assert_close(rebuilt, expected, rtol=0, atol=1e-6)
+    rows, cols = 48, 256
+    if qtype == _Q.Q4_K:
+        raw = random_blocks(qtype, rows, cols)
+    else:
+        raw = gguf.quants.quantize(np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32),
+                                   qtype).reshape(-1)
+    expected = dequantize(raw, qtype, (rows, cols))
+    codes, d, m = q4_codes(raw, qtype, (rows, cols))
+    assert int(codes.max()) <= 15
+    torch.testing.assert_close(rebuild_q4(codes, d, m), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_other_types_are_not_read_as_q4() -> None:
-    raw = gguf.quants.quantize(np.ones((4, 32), np.float32), GGMLQuantizationType.Q8_0).reshape(-1)
-    assert q4_codes(raw, GGMLQuantizationType.Q8_0, (4, 32)) is None
+def test_q5_0_and_q6_k_and_q8_0_codes_are_exact() -> None:
+    rows, cols = 24, 256
+    weight = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    for qtype in (_Q.Q5_0, _Q.Q8_0, _Q.Q6_K):
+        raw = random_blocks(qtype, rows, cols) if qtype == _Q.Q6_K else gguf.quants.quantize(weight, qtype).reshape(-1)
+        expected = dequantize(raw, qtype, (rows, cols))
+        if qtype == _Q.Q5_0:
+            codes, d = q5_codes(raw, (rows, cols))
+        elif qtype == _Q.Q6_K:
+            codes, d = q6_codes(raw, (rows, cols))
+            assert d.shape == (rows, cols // 16) and int(codes.min()) >= -32 and int(codes.max()) <= 31
+        else:
+            codes, d = q8_codes(raw, qtype, expected)
+        torch.testing.assert_close(rebuild_q8(codes, d), expected, rtol=0, atol=1e-7)
+
+
+def test_q4_k_codes_are_not_taken_from_other_types() -> None:
+    raw = gguf.quants.quantize(np.ones((4, 32), np.float32), _Q.Q8_0).reshape(-1)
+    assert q4_codes(raw, _Q.Q8_0, (4, 32)) is None
 
 
 def test_regroup_error_is_within_half_a_step() -> None:
     w = torch.randn(16, 64)
-    codes, scales, zeros = regroup(w)
-    rebuilt = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
-    assert ((rebuilt - w).abs() <= scales.repeat_interleave(32, 1) / 2 + 1e-6).all()
+    codes, d, m = regroup(w)
+    assert ((rebuild_q4(codes, d, m) - w).abs() <= d.repeat_interleave(32, 1) / 2 + 1e-6).all()
 
 
-def test_int4_linear_fused_and_dense_paths() -> None:
-    w = torch.randn(96, 128)
-    codes, scales, zeros = regroup(w)
-    dense = (codes.float() - 8) * scales.repeat_interleave(32, 1) + zeros.repeat_interleave(32, 1)
-    layer = Int4Linear(codes, scales, zeros, dense)
-    few = torch.randn(3, 128)
-    # bf16 activations, scales and output: errors of a few parts in a thousand of the outputs (~11 here).
-    torch.testing.assert_close(layer(few), F.linear(few, dense), rtol=2e-2, atol=0.15)
-    many = torch.randn(FUSED_MAX_ROWS + 1, 128)
+def test_q8_codes_from_floats_stay_within_half_a_step() -> None:
+    w = torch.randn(40, 96) * torch.logspace(-3, 1, 40)[:, None]
+    codes, d = q8_codes(None, None, w)
+    assert int(codes.abs().max()) <= 127
+    assert ((rebuild_q8(codes, d) - w).abs() <= d.repeat_interleave(32, 1) / 2 + 1e-6).all()
+
+
+def mixed_projection(seed: int = 0) -> tuple[BlockLinear, torch.Tensor]:
+    """A fused projection of three parts: Q4 rows, Q8 rows and Q8-in-halves rows (as a Q4_K_M QKV can be)."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = 96
+    q4 = regroup(torch.randn(40, cols, generator=gen))
+    q8 = q8_codes(None, None, torch.randn(24, cols, generator=gen))
+    halves = (torch.randint(-32, 32, (8, cols), generator=gen, dtype=torch.int8), torch.rand(8, cols // 16) / 10)
+    dense = torch.cat((rebuild_q4(*q4), rebuild_q8(*q8), rebuild_q8(*halves)))
+    parts = [q4_weight(*q4), q8_weight(*q8), q8_weight(*halves)]
+    # The module keeps scales in fp16 (Q4, Q8) as the kernels read them: compare with those weights.
+    exact = torch.cat((rebuild_q4(unpack_nibbles(parts[0].qs), parts[0].d.float(), parts[0].m.float()),
+                       rebuild_q8(parts[1].qs, parts[1].d), rebuild_q8(parts[2].qs, parts[2].d)))
+    assert (exact - dense).abs().max() < 1e-2  # only fp16 rounding of the scales
+    return BlockLinear(parts, exact), exact
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, NATIVE_MAX_ROWS])
+def test_block_linear_matches_dense_on_native_kernels(rows: int) -> None:
+    layer, dense = mixed_projection()
+    assert layer.lib is not None and [p.kind for p in layer.parts] == [Q4, Q8, Q8_HALVES]
+    x = torch.randn(rows, 96) * 3
+    expected = F.linear(x.double(), dense.double())
+    # int16 activation blocks: each activation moves by at most 1/65534 of its block's largest, so the error is a
+    # few 1e-5 of the sum of the products' sizes (that of bf16 activations is about 4e-3).
+    bound = F.linear(x.abs().double(), dense.abs().double()) * 5e-5
+    assert ((layer(x).double() - expected).abs() <= bound).all()
+
+
+def test_block_linear_uses_the_dense_weight_for_large_batches() -> None:
+    layer, dense = mixed_projection()
+    many = torch.randn(NATIVE_MAX_ROWS + 1, 96)
     assert torch.equal(layer(many), F.linear(many, dense))
 
 
-def test_int8_linear_codes_and_paths() -> None:
-    torch.manual_seed(0)
-    w = torch.randn(96, 128) * torch.logspace(-2, 1, 96)[:, None]  # rows of very different scales
-    layer = Int8Linear(w)
-    scales = layer.scales.float()[:, None]
-    assert layer.codes.dtype == torch.int8 and int(layer.codes.abs().amax()) >= 126
-    assert ((layer.codes.float() * scales - w).abs() <= scales * 0.5 + 1e-6).all()
+def test_block_linear_falls_back_to_torch_int4(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "library", lambda: None)
+    codes, d, m = regroup(torch.randn(96, 128))
+    part = q4_weight(codes, d, m)
+    dense = rebuild_q4(unpack_nibbles(part.qs), part.d.float(), part.m.float())
+    layer = BlockLinear([part], dense)
+    assert layer.lib is None and layer.max_rows > 0
     few = torch.randn(3, 128)
-    # bf16 activations and output: each product off by a few parts in a thousand of its size.
-    bound = F.linear(few.abs(), w.abs()) * 2**-7
-    assert ((layer(few) - F.linear(few, layer.codes.float() * scales)).abs() <= bound).all()
-    many = torch.randn(FUSED_MAX_ROWS + 1, 128)
-    assert torch.equal(layer(many), F.linear(many, w))
+    # bf16 activations, scales and output: errors of a few parts in a thousand of the outputs.
+    torch.testing.assert_close(layer(few), F.linear(few, dense), rtol=2e-2, atol=0.15)
+    mixed, exact = mixed_projection()
+    assert mixed.max_rows == 0 and torch.equal(mixed(few[:, :96]), F.linear(few[:, :96], exact))
 
 
-def test_q8_codes_from_blocks_and_from_floats() -> None:
-    rng = np.random.default_rng(1)
-    weight = rng.standard_normal((40, 96)).astype(np.float32)
-    raw = gguf.quants.quantize(weight, GGMLQuantizationType.Q8_0).reshape(-1)
-    expected = dequantize(raw, GGMLQuantizationType.Q8_0, (40, 96))
-    codes, scales = q8_codes(raw, GGMLQuantizationType.Q8_0, expected)
-    assert codes.dtype == torch.int8
-    torch.testing.assert_close(codes.float() * scales.repeat_interleave(32, 1), expected, rtol=0, atol=0)
-    w = torch.from_numpy(weight)
-    codes, scales = q8_codes(None, None, w)
-    assert ((codes.float() * scales.repeat_interleave(32, 1) - w).abs() <= scales.repeat_interleave(32, 1) / 2
-            + 1e-6).all()
-
-
-def test_int8_group_head_rescores_its_best_candidates_exactly() -> None:
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernels == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
     gen = torch.Generator().manual_seed(0)
     vocab, hidden = 4096, 128
     w = torch.randn(vocab, hidden, generator=gen) * 0.05
     codes, scales = q8_codes(None, None, w)
-    dense = codes.float() * scales.repeat_interleave(32, 1)  # the head as the file stores it
+    dense = rebuild_q8(codes, scales)  # the head as the file stores it
     head = Int8GroupHead(dense, codes, scales, num_exact=32)
     x = torch.randn(4, hidden, generator=gen) * 3
     exact = F.linear(x, dense)
     out = head(x)
-    # Everywhere: the two 4-bit halves give the int8 product up to bf16 activations and outputs.
-    torch.testing.assert_close(out, exact, rtol=0, atol=0.05)
+    torch.testing.assert_close(out, exact, rtol=0, atol=0.05 if kernels == "torch" else 1e-3)
     # The 32 best by the cheap pass are recomputed in fp32: near its boundary one may swap with the 33rd, but the
     # truly best are exact, so greedy and the top log-probs match the dense head.
     top = exact.topk(16, dim=-1).indices
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=1e-5, atol=1e-5)
     assert torch.equal(out.argmax(-1), exact.argmax(-1))
-    many = torch.randn(FUSED_MAX_ROWS + 1, hidden, generator=gen)
+    many = torch.randn(head.max_rows + 1, hidden, generator=gen)
     assert torch.equal(head(many), F.linear(many, dense))

@@ -1,0 +1,106 @@
+"""Decode steps in one native call: every decoder block of the model, for one new token per sequence.
+
+A decode step of a small model is thousands of tiny ops; on a CPU each costs microseconds in dispatch before it
+does any work, which is most of the step. `FusedDecoder` hands the whole stack of blocks to `nt_decode_layers`
+(ops/native/kernels.c), which runs, per block: RMSNorm, the fused QKV projection, per-head q/k norms where the
+model has them, rotary embedding, the K/V write into the paged cache, attention over each sequence's blocks, the
+output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
+
+It is only a faster route through the same model: the modules stay the definition (prefill, large batches, GPUs
+and traced runs use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same
+outputs. It applies when every projection is block-quantized on the native kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from nextoken.cache.kv_pool import KVCacheLayer
+from nextoken.ops import native
+from nextoken.ops.attention import AttentionMetadata
+from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
+
+if TYPE_CHECKING:
+    from nextoken.models.base import CausalLM
+    from nextoken.models.layers import RMSNorm, RotaryEmbedding
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
+
+
+def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
+    if not isinstance(projection, BlockLinear) or projection.lib is None:
+        return None
+    parts = [native.Part(p.kind, p.rows, projection.in_features, p.qs.data_ptr(), p.d.data_ptr(),
+                         None if p.m is None else p.m.data_ptr()) for p in projection.parts]
+    return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts))
+
+
+def _norm(norm: RMSNorm | None) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
+
+
+class FusedDecoder:
+    def __init__(self, lib: ctypes.CDLL, model: CausalLM) -> None:
+        """Use `build`, which returns None where the model cannot run fused."""
+        self.lib = lib
+        self.model = model
+        self.ropes: list[RotaryEmbedding] = []
+        layers = []
+        for block in model.layers:
+            attn, mlp = block.attn, block.mlp
+            norms = block.fused_norms()
+            matrices = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(m is None for m in matrices):
+                raise ValueError("a projection is not block-quantized on the native kernels")
+            if attn.rope not in self.ropes:
+                self.ropes.append(attn.rope)
+            layers.append(native.Layer(
+                block.input_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.ffn,
+                attn.sliding_window or 0, norms["attn_in"].eps, attn.scale, ACTIVATIONS[mlp.activation],
+                int(attn.rope.layout == "interleaved"), attn.rope.dim, self.ropes.index(attn.rope),
+                _norm(norms["attn_in"]), _norm(norms["attn_out"]), _norm(norms["mlp_in"]), _norm(norms["mlp_out"]),
+                _norm(attn.q_norm), _norm(attn.k_norm), *matrices))
+        self.layers = (native.Layer * len(layers))(*layers)
+        self._caches: tuple[tuple[int, ...], ctypes.Array] | None = None
+
+    @classmethod
+    def build(cls, model: CausalLM) -> FusedDecoder | None:
+        lib = native.library()
+        if lib is None or not all(hasattr(block, "fused_norms") for block in model.layers):
+            return None
+        try:
+            return cls(lib, model)
+        except ValueError:
+            return None
+
+    def applies(self, x: torch.Tensor, kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> bool:
+        """Decode-only batches of fp32 CPU rows, small enough for the block kernels, over a cache the native
+        attention reads, with no hooks on the blocks (a tracer watching them sees the modules run)."""
+        block = self.model.layers[0]
+        return (meta.is_decode_only and x.shape[0] <= NATIVE_MAX_ROWS and native.attention_applies(x, kv_caches[0].k)
+                and not (block._forward_hooks or block._forward_pre_hooks))
+
+    def _cache_structs(self, kv_caches: list[KVCacheLayer]) -> ctypes.Array:
+        key = tuple(c.k.data_ptr() for c in kv_caches)
+        if self._caches is None or self._caches[0] != key:
+            structs = [native.cache_struct(c.k, c.v, c.k_scale, c.v_scale) for c in kv_caches]
+            self._caches = (key, (native.Cache * len(structs))(*structs))
+        return self._caches[1]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """x [num_seqs, hidden] (one new token per sequence) -> the residual stream after the last block."""
+        top = int(positions.max()) + 1
+        tables = []
+        for rope in self.ropes:
+            rope.grow(top, positions.device)
+            tables += [rope.cos_table.data_ptr(), rope.sin_table.data_ptr()]
+        _, seq_lens, _ = meta.single_queries()
+        x = x.contiguous()
+        native.decode_layers(self.lib, x, positions.contiguous(), meta.slot_mapping.contiguous(), seq_lens,
+                             meta.block_tables.contiguous(), self.layers, self._cache_structs(kv_caches),
+                             (ctypes.c_void_p * len(tables))(*tables))
+        return x

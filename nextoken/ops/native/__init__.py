@@ -1,0 +1,210 @@
+"""nextoken's own CPU kernels (kernels.c), compiled for this machine at first use and called through ctypes.
+
+torch's CPU ops cost microseconds each before doing any work, and a decode step is thousands of small ops; its
+int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth on AVX2. These kernels do what a
+decode step needs in single calls: block-quantized matrix products (Q4 and Q8 weights, activations quantized to
+int8 blocks on the fly) and RMSNorm fused with the residual add.
+
+The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
+a cache directory keyed by the source and the CPU ($NEXTOKEN_CACHE, default ~/.cache/nextoken). It links the OpenMP
+runtime torch already loaded, so both share one thread pool. Where there is no compiler, or NEXTOKEN_NATIVE=0, the
+callers keep torch's kernels: `library()` returns None and says why once in the log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("nextoken.native")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "nt_block_matmul": (_i32, [_i32, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32]),
+    "nt_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]),
+    "nt_has_avx2": (_i32, []),
+    "nt_decode_attention": (_i32, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32,
+                                   _i64, _i64, _i64, _i64, _f32, _i64, _i32]),
+}
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def build(source: Path = SOURCE, flags: list[str] | None = None, cache_dir: Path | None = None) -> Path:
+    """Compile `source` into a shared library (once per source, flags, compiler and CPU) and return its path.
+    Raises RuntimeError naming what failed."""
+    flags = FLAGS if flags is None else flags
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler found (cc or gcc; or set CC)")
+    text = source.read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), compiler.encode(), _cpu_key().encode()]))
+    root = cache_dir or Path(os.environ.get("NEXTOKEN_CACHE", Path.home() / ".cache" / "nextoken"))
+    target = root / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename: concurrent first uses never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        result = subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], capture_output=True,
+                                text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
+def load(path: Path) -> ctypes.CDLL:
+    torch.ones(2).sum()  # make sure torch's OpenMP runtime is loaded first, so the library binds to it
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they are switched off or cannot be built (logged once)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("NEXTOKEN_NATIVE", "1") == "0":
+            logger.info("native kernels switched off (NEXTOKEN_NATIVE=0): using torch's")
+        else:
+            try:
+                _lib = load(build())
+            except (RuntimeError, OSError) as exc:
+                logger.warning("native kernels unavailable, using torch's: %s", exc)
+    return _lib
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1:
+        raise ValueError(f"native kernels take fp32 CPU rows with unit stride, got {x.dtype} on {x.device}")
+
+
+def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+                 m: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [M, N] (a view with unit column stride) = x [M, K] fp32 @ W^T for a block-quantized W [N, K]:
+    kind 4 (qs nibbles [N, K / 2], d and m fp16 [N, K / 32]), 8 (qs int8 [N, K], d fp16 [N, K / 32]) or 6 (qs int8,
+    d fp32 [N, K / 16]); see nt_block_matmul."""
+    _check(x)
+    rows, k = x.shape
+    if lib.nt_block_matmul(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
+                           None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0),
+                           torch.get_num_threads()):
+        raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of contiguous fp32 x [..., K]; with `residual` (x's shape), x += residual
+    first, in place."""
+    out = torch.empty_like(x)
+    size = x.shape[-1]
+    lib.nt_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                    out.data_ptr(), x.numel() // size, size, eps)
+    return out
+
+
+_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def attention_applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether decode_attention takes these queries over this cache: fp32 CPU queries; an int8 cache's scale groups
+    must tile the head (head_dim a multiple of 32)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype in _KV_KINDS
+            and (cache.dtype != torch.int8 or cache.shape[-1] % 32 == 0))
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                     seq_lens: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, scale: float,
+                     window: int | None) -> None:
+    """Attention of one new query token per listed sequence over its paged K/V (see nt_decode_attention):
+    q, out [tokens, heads, head_dim] fp32 contiguous; rows, seq_lens, table_rows [n] int64; tables [seqs, blocks]
+    int64; k, v [num_blocks, block_size, kv_heads, head_dim] fp32, bf16 or int8 (with fp16 scales)."""
+    _, block_size, kv_heads, head_dim = k.shape
+    status = lib.nt_decode_attention(
+        q.data_ptr(), out.data_ptr(), rows.shape[0], rows.data_ptr(), seq_lens.data_ptr(), tables.data_ptr(),
+        table_rows.data_ptr(), tables.stride(0), k.data_ptr(), v.data_ptr(),
+        None if k_scales is None else k_scales.data_ptr(), None if v_scales is None else v_scales.data_ptr(),
+        _KV_KINDS[k.dtype], block_size, q.shape[1], kv_heads, head_dim, scale, window or 0, torch.get_num_threads())
+    if status:
+        raise ValueError("decode_attention: int8 caches need a head size that is a multiple of 32, or out of memory")
+
+
+class Part(ctypes.Structure):
+    """Rows of a projection in one block format (nt_part)."""
+
+    _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("qs", _ptr), ("d", _ptr), ("m", _ptr)]
+
+
+MAX_PARTS = 4
+
+
+class Matrix(ctypes.Structure):
+    """A projection as stacked parts (nt_matrix)."""
+
+    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS)]
+
+
+class Layer(ctypes.Structure):
+    """One decoder block's shape, weights and norms (nt_layer); null norms are absent."""
+
+    _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("ffn", _i64),
+                ("window", _i64), ("eps", _f32), ("scale", _f32), ("activation", _i64),
+                ("rope_interleaved", _i64), ("rope_dim", _i64), ("rope_table", _i64),
+                ("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr),
+                ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix), ("down", Matrix)]
+
+
+class Cache(ctypes.Structure):
+    """One layer's paged K/V (nt_cache): kind 0 fp32, 1 bf16, 2 int8 with fp16 scales."""
+
+    _fields_ = [("k", _ptr), ("v", _ptr), ("k_scales", _ptr), ("v_scales", _ptr), ("kind", _i64),
+                ("block_size", _i64)]
+
+
+_SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i32])
+
+
+def cache_struct(k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
+                 v_scales: torch.Tensor | None) -> Cache:
+    return Cache(k.data_ptr(), v.data_ptr(), None if k_scales is None else k_scales.data_ptr(),
+                 None if v_scales is None else v_scales.data_ptr(), _KV_KINDS[k.dtype], k.shape[1])
+
+
+def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
+                  rope_tables: ctypes.Array) -> None:
+    """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers)."""
+    status = lib.nt_decode_layers(x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
+                                  seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), ctypes.addressof(layers),
+                                  ctypes.addressof(caches), len(layers), ctypes.addressof(rope_tables),
+                                  torch.get_num_threads())
+    if status:
+        raise MemoryError("decode_layers: out of memory")

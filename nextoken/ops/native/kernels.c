@@ -1,0 +1,562 @@
+/* CPU kernels for decode-sized work: block-quantized matrix products, RMSNorm and paged decode attention.
+ *
+ * Weights are GGML-style blocks along the input dimension (formats at nt_block_matmul); activations are quantized
+ * on the fly to int16 blocks of 32, so every block product is integer multiply-adds with AVX2.
+ *
+ * Compiled at first use with the machine's own instruction set (see native.py). Without AVX2 the same results come
+ * from plain C loops (integer sums are exact; only the order of the float accumulation differs).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define NT_AVX2 1
+#endif
+
+#define QK 32
+
+/* ---------------------------------------------------------------- fp16 */
+
+static inline float half_to_float(uint16_t h) {
+#ifdef NT_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: normalize */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+int nt_has_avx2(void) {
+#ifdef NT_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* ------------------------------------------------- activation quantization */
+
+/* x [K] -> int16 codes, per block: d = absmax / 32767, s = d * sum(codes). Rounding error under 2e-5 of the
+ * block's largest value: below fp32 matmul's own noise at these sizes, far below bf16's. */
+static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float max = 0.0f;
+        for (int i = 0; i < QK; i++) max = fmaxf(max, fabsf(xb[i]));
+        const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+        int sum = 0;
+        for (int i = 0; i < QK; i++) {
+            q[b * QK + i] = (int16_t)nearbyintf(xb[i] * inv);
+            sum += q[b * QK + i];
+        }
+        d[b] = db;
+        s[b] = db * (float)sum;
+    }
+}
+
+typedef struct {
+    int16_t *q; /* codes [M, K] */
+    float *d, *s;
+    void *block;
+} quantized_rows;
+
+static int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, quantized_rows *out) {
+    const int64_t groups = K / QK;
+    out->block = malloc((size_t)(M * K * 2 + 2 * M * groups * (int64_t)sizeof(float)) + 64);
+    if (!out->block) return -1;
+    out->d = (float *)out->block;
+    out->s = out->d + M * groups;
+    out->q = (int16_t *)(out->s + M * groups);
+    for (int64_t r = 0; r < M; r++) quantize_row16(x + r * ldx, K, out->q + r * K, out->d + r * groups, out->s + r * groups);
+    return 0;
+}
+
+#ifdef NT_AVX2
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+#endif
+
+/* ------------------------------------------------------------ block scales */
+
+#define TILE 4          /* activation rows sharing one widened weight block */
+#define MAX_GROUPS 1024 /* blocks per row: input sizes up to 32768 */
+
+/* prod[g] = h[g] * x[g] for fp16 h; returns sum of h[g] * y[g] when y is given. */
+static inline float half_scale(const uint16_t *h, const float *x, const float *y, int64_t groups, float *prod) {
+    int64_t g = 0;
+    float dot = 0.0f;
+#ifdef NT_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    for (; g + 8 <= groups; g += 8) {
+        const __m256 hv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g)));
+        if (prod) _mm256_storeu_ps(prod + g, _mm256_mul_ps(hv, _mm256_loadu_ps(x + g)));
+        if (y) acc = _mm256_fmadd_ps(hv, _mm256_loadu_ps(y + g), acc);
+    }
+    dot = hsum_ps(acc);
+#endif
+    for (; g < groups; g++) {
+        const float hv = half_to_float(h[g]);
+        if (prod) prod[g] = hv * x[g];
+        if (y) dot += hv * y[g];
+    }
+    return dot;
+}
+
+/* ------------------------------------------------------ block products */
+
+/* Weight formats (kind):
+ *   4 (Q4): qs uint8 [N, K / 2] nibbles, d and m fp16 [N, K / 32]; w = d * q + m.
+ *   8 (Q8): qs int8 [N, K], d fp16 [N, K / 32]; w = d * q.
+ *   6 (Q8 in halves): qs int8 [N, K], d fp32 [N, K / 16]; w = d * q. Holds a Q6_K block exactly (its 16-value
+ *     sub-blocks' scales, d * sc, need more bits than fp16 has; codes -32..31).
+ * Activations are quantized to int16 blocks of 32; weights are widened to int16, so each block is two 16-bit
+ * multiply-add instructions per row and the result is within 2e-5 of an fp32 matmul over the dequantized weight.
+ * Per weight row, the products of weight and activation block scales are formed first (vectorized), so the inner
+ * loop is integer products and one multiply-add per half block. Inlined for each constant T (rows sharing one
+ * widened weight block), so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(int kind, const quantized_rows *x, int64_t r0, const int T,
+                                                       int64_t K, const void *qs, const void *wd,
+                                                       const uint16_t *wm, int64_t n0, int64_t n1, float *out,
+                                                       int64_t ldo) {
+    const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
+    float scale[TILE][2 * MAX_GROUPS];
+    for (int64_t n = n0; n < n1; n++) {
+        float offset[TILE] = {0};
+        for (int i = 0; i < T; i++) {
+            const int64_t r = r0 + i;
+            const float *xd = x->d + r * groups;
+            if (kind == 6) {
+                const float *d = (const float *)wd + n * 2 * groups;
+                for (int64_t g = 0; g < groups; g++) {
+                    scale[i][2 * g] = d[2 * g] * xd[g];
+                    scale[i][2 * g + 1] = d[2 * g + 1] * xd[g];
+                }
+            } else {
+                half_scale((const uint16_t *)wd + n * groups, xd, NULL, groups, scale[i]);
+            }
+            if (kind == 4) offset[i] = half_scale(wm + n * groups, NULL, x->s + r * groups, groups, NULL);
+        }
+#ifdef NT_AVX2
+        __m256 acc[TILE];
+        for (int i = 0; i < T; i++) acc[i] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i w0, w1;
+            if (kind == 4) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16));
+                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
+                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)));
+            } else {
+                const int8_t *b = (const int8_t *)qs + n * K + g * QK;
+                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b));
+                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16)));
+            }
+            for (int i = 0; i < T; i++) {
+                const int16_t *a = x->q + (r0 + i) * K + g * QK;
+                const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)a));
+                const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(a + 16)));
+                if (halves == 2) {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[i][2 * g]), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&scale[i][2 * g + 1]),
+                                             acc[i]);
+                } else {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                             _mm256_broadcast_ss(&scale[i][g]), acc[i]);
+                }
+            }
+        }
+        for (int i = 0; i < T; i++) out[(r0 + i) * ldo + n] = hsum_ps(acc[i]) + offset[i];
+#else
+        for (int i = 0; i < T; i++) {
+            const int16_t *a = x->q + (r0 + i) * K;
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
+                for (int j = 0; j < QK; j++) {
+                    int w;
+                    if (kind == 4) {
+                        const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + g * 16 + j % 16];
+                        w = j < 16 ? byte & 0x0F : byte >> 4;
+                    } else {
+                        w = ((const int8_t *)qs)[n * K + g * QK + j];
+                    }
+                    sum[j / 16] += w * a[g * QK + j];
+                }
+                if (halves == 2) acc += (float)sum[0] * scale[i][2 * g] + (float)sum[1] * scale[i][2 * g + 1];
+                else acc += (float)(sum[0] + sum[1]) * scale[i][g];
+            }
+            out[(r0 + i) * ldo + n] = acc + offset[i];
+        }
+#endif
+    }
+}
+
+/* Split weight rows across threads in chunks of 16 (whole cache lines of output for every thread). */
+#define ROW_CHUNK 16
+
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times a block-quantized weight [N, K]^T (kind 4, 8 or
+ * 6; m only for Q4). Returns 0, or -1 when K is not a multiple of 32 (or too large) or memory runs out. */
+int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                    const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+    quantized_rows xq;
+    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || K / QK > MAX_GROUPS || quantize_rows(x, M, K, ldx, &xq))
+        return -1;
+    const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
+        for (int64_t r0 = 0; r0 < M; r0 += TILE) {
+            const int64_t t = M - r0 < TILE ? M - r0 : TILE;
+#define NT_TILE(T)                                                                \
+    case T:                                                                        \
+        if (kind == 4) tile(4, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);         \
+        else if (kind == 8) tile(8, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);    \
+        else tile(6, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                   \
+        break;
+            switch (t) { NT_TILE(1) NT_TILE(2) NT_TILE(3) NT_TILE(4) }
+#undef NT_TILE
+        }
+    }
+    free(xq.block);
+    return 0;
+}
+
+/* ----------------------------------------------------------------- RMSNorm */
+
+/* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, over M rows of K; with `residual`, first x[r] += residual[r] (in
+ * place: the updated residual stream stays in x). */
+void nt_rms_norm(float *x, const float *residual, const float *w, float *out, int64_t M, int64_t K, float eps) {
+    for (int64_t r = 0; r < M; r++) {
+        float *xr = x + r * K;
+        float *o = out + r * K;
+        if (residual) {
+            const float *rr = residual + r * K;
+            for (int64_t i = 0; i < K; i++) xr[i] += rr[i];
+        }
+        float ss = 0.0f;
+        for (int64_t i = 0; i < K; i++) ss += xr[i] * xr[i];
+        const float scale = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t i = 0; i < K; i++) o[i] = xr[i] * scale * w[i];
+    }
+}
+
+/* ------------------------------------------------------- decode attention */
+
+/* Key/value rows of a paged cache [num_blocks, block_size, kv_heads, head_dim] stored as fp32 (0), bf16 (1) or int8
+ * (2, with fp16 scales [num_blocks, block_size, kv_heads, head_dim / 32]). */
+typedef struct {
+    const void *data;
+    const uint16_t *scales;
+    int kind;
+} kv_store;
+
+static inline void load_row(const kv_store *s, int64_t row, int64_t D, float *dst) {
+    if (s->kind == 0) {
+        memcpy(dst, (const float *)s->data + row * D, (size_t)D * sizeof(float));
+    } else if (s->kind == 1) {
+        const uint16_t *src = (const uint16_t *)s->data + row * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) {
+            const uint32_t bits = (uint32_t)src[i] << 16;
+            float f;
+            memcpy(&f, &bits, 4);
+            dst[i] = f;
+        }
+    } else {
+        const int8_t *src = (const int8_t *)s->data + row * D;
+        const uint16_t *sc = s->scales + row * (D / QK);
+        for (int64_t g = 0; g < D / QK; g++) {
+            const float d = half_to_float(sc[g]);
+#pragma omp simd
+            for (int64_t i = 0; i < QK; i++) dst[g * QK + i] = d * (float)src[g * QK + i];
+        }
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+typedef struct {
+    void *k, *v;
+    uint16_t *k_scales, *v_scales; /* int8 only */
+    int64_t kind, block_size;       /* kind: 0 fp32, 1 bf16, 2 int8 */
+} nt_cache;
+
+/* Attention of the `rep` query heads [rep, D] sharing kv head `kvh`, over positions [first, len) of a sequence whose
+ * blocks are `table`; `scores` has room for rep * (len - first) floats, `row` for D. */
+static void attend(const float *qh, float *oh, int64_t rep, const nt_cache *c, int64_t kv_heads, int64_t kvh,
+                   int64_t D, const int64_t *table, int64_t first, int64_t len, float scale, float *scores,
+                   float *row) {
+    const int64_t count = len - first, bs = c->block_size;
+    const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
+    for (int64_t p = first; p < len; p++) {
+        const int64_t at = (table[p / bs] * bs + p % bs) * kv_heads + kvh;
+        const float *key = row;
+        if (c->kind == 0) key = (const float *)c->k + at * D;
+        else load_row(&ks, at, D, row);
+        for (int64_t r = 0; r < rep; r++) scores[r * count + (p - first)] = scale * dot_f32(qh + r * D, key, D);
+    }
+    for (int64_t r = 0; r < rep; r++) {
+        float *sr = scores + r * count;
+        float max = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < count; j++) max = fmaxf(max, sr[j]);
+        for (int64_t j = 0; j < count; j++) {
+            sr[j] = expf(sr[j] - max);
+            sum += sr[j];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t j = 0; j < count; j++) sr[j] *= inv;
+        memset(oh + r * D, 0, (size_t)D * sizeof(float));
+    }
+    for (int64_t p = first; p < len; p++) {
+        const int64_t at = (table[p / bs] * bs + p % bs) * kv_heads + kvh;
+        const float *value = row;
+        if (c->kind == 0) value = (const float *)c->v + at * D;
+        else load_row(&vs, at, D, row);
+        for (int64_t r = 0; r < rep; r++) {
+            float *o = oh + r * D;
+            const float w = scores[r * count + (p - first)];
+#pragma omp simd
+            for (int64_t j = 0; j < D; j++) o[j] += w * value[j];
+        }
+    }
+}
+
+/* One new query token per listed sequence, attending over that sequence's cached tokens (its own K/V included):
+ * out[rows[i], h] = softmax(scale * q[rows[i], h] . K^T) V over positions [max(0, len - window), len) of sequence i,
+ * whose blocks are tables[table_rows[i] * table_stride + ...]. Query heads map to kv heads in groups (GQA).
+ * q and out are [tokens, heads, head_dim] fp32. head_dim must be a multiple of 32 for int8 caches. */
+static int decode_attention(const float *q, float *out, int64_t n, const int64_t *rows, const int64_t *seq_lens,
+                            const int64_t *tables, const int64_t *table_rows, int64_t table_stride,
+                            const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
+                            int64_t window, int threads) {
+    if (c->kind == 2 && D % QK) return -1;
+    const int64_t rep = heads / kv_heads;
+    int failed = 0;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n * kv_heads > 1)
+    for (int64_t task = 0; task < n * kv_heads; task++) {
+        const int64_t i = task / kv_heads, kvh = task % kv_heads;
+        const int64_t len = seq_lens[i];
+        const int64_t first = window > 0 && len > window ? len - window : 0;
+        float *scores = malloc((size_t)((len - first) * rep + D) * sizeof(float));
+        if (!scores) {
+            failed = 1;
+            continue;
+        }
+        const int64_t at = (rows ? rows[i] : i) * heads + kvh * rep;
+        attend(q + at * D, out + at * D, rep, c, kv_heads, kvh, D,
+               tables + (table_rows ? table_rows[i] : i) * table_stride, first, len, scale, scores,
+               scores + (len - first) * rep);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+int nt_decode_attention(const float *q, float *out, int64_t n, const int64_t *rows, const int64_t *seq_lens,
+                        const int64_t *tables, const int64_t *table_rows, int64_t table_stride, void *k, void *v,
+                        uint16_t *k_scales, uint16_t *v_scales, int kind, int64_t block_size, int64_t heads,
+                        int64_t kv_heads, int64_t D, float scale, int64_t window, int threads) {
+    const nt_cache c = {k, v, k_scales, v_scales, kind, block_size};
+    return decode_attention(q, out, n, rows, seq_lens, tables, table_rows, table_stride, &c, heads, kv_heads, D,
+                            scale, window, threads);
+}
+
+/* ------------------------------------------------------ fused decoder layers */
+
+static inline uint16_t float_to_half(float f) {
+#ifdef NT_AVX2
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000;
+    int32_t exp = (int32_t)((x >> 23) & 0xFF) - 127 + 15;
+    uint32_t man = x & 0x7FFFFF;
+    if (((x >> 23) & 0xFF) == 0xFF) return (uint16_t)(sign | 0x7C00 | (man ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7C00);
+    if (exp <= 0) { /* subnormal or zero: shift in the implicit bit, round to nearest even */
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        const int shift = 14 - exp;
+        uint32_t h = man >> shift;
+        const uint32_t rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (man >> 13);
+    const uint32_t rest = man & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* may carry into the exponent: still correct */
+    return (uint16_t)(sign | h);
+#endif
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((x >> 16) | 0x40); /* NaN stays NaN */
+    return (uint16_t)((x + 0x7FFF + ((x >> 16) & 1)) >> 16);
+}
+
+/* Store one token's K or V row (kv_heads * D values) at cache row `at` (= slot * kv_heads). */
+static void store_row(void *data, uint16_t *scales, int64_t kind, int64_t at, const float *src, int64_t n) {
+    if (kind == 0) {
+        memcpy((float *)data + at, src, (size_t)n * sizeof(float));
+    } else if (kind == 1) {
+        uint16_t *dst = (uint16_t *)data + at;
+        for (int64_t i = 0; i < n; i++) dst[i] = float_to_bf16(src[i]);
+    } else { /* as kv_pool.quantize_int8: fp16 scale absmax / 127, codes round(x / scale) */
+        int8_t *dst = (int8_t *)data + at;
+        for (int64_t g = 0; g < n / QK; g++) {
+            float max = 0.0f;
+            for (int i = 0; i < QK; i++) max = fmaxf(max, fabsf(src[g * QK + i]));
+            const uint16_t h = float_to_half(max / 127.0f);
+            const float d = half_to_float(h), inv = d > 0 ? 1.0f / d : 0.0f;
+            scales[at / QK + g] = h;
+            for (int i = 0; i < QK; i++) {
+                const float c = nearbyintf(src[g * QK + i] * inv);
+                dst[g * QK + i] = (int8_t)(c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c);
+            }
+        }
+    }
+}
+
+typedef struct {
+    int64_t kind, n, k; /* see nt_block_matmul */
+    const void *qs, *d;
+    const uint16_t *m;
+} nt_part;
+
+/* A projection as up to 4 stacked parts (rows of the output), each in its own format: a fused QKV projection whose
+ * V comes from 6-bit blocks while Q and K come from 4-bit ones. */
+typedef struct {
+    int64_t num_parts, n;
+    nt_part parts[4];
+} nt_matrix;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, ffn, window; /* window 0: none */
+    float eps, scale;
+    int64_t activation; /* 0: silu, 1: gelu (tanh) */
+    int64_t rope_interleaved, rope_dim, rope_table; /* rope_table: which (cos, sin) pair of the call */
+    /* Norms: before attention and the MLP (required); of their outputs and of q and k per head (optional). */
+    const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm, *q_norm, *k_norm;
+    nt_matrix qkv, o, gate_up, down;
+} nt_layer;
+
+static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads) {
+    int status = 0;
+    for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
+        const nt_part *p = &w->parts[i];
+        status |= nt_block_matmul((int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m, out + at, w->n, threads);
+    }
+    return status;
+}
+
+static void rope(float *x, int64_t heads, int64_t D, const nt_layer *L, const float *cos, const float *sin) {
+    const int64_t pairs = L->rope_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        float *v = x + h * D;
+        for (int64_t i = 0; i < pairs; i++) {
+            float *a = L->rope_interleaved ? v + 2 * i : v + i;
+            float *b = L->rope_interleaved ? v + 2 * i + 1 : v + i + pairs;
+            const float x0 = *a, x1 = *b;
+            *a = x0 * cos[i] - x1 * sin[i];
+            *b = x1 * cos[i] + x0 * sin[i];
+        }
+    }
+}
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+/* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
+ * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
+ * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]. Returns 0, or -1 when
+ * memory runs out or a size is unsupported. */
+int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
+                     const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
+                     int64_t num_layers, const float *const *rope_tables, int threads) {
+    int64_t widest = 0;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const nt_layer *L = &layers[l];
+        const int64_t sizes[] = {L->hidden, L->qkv.n, L->heads * L->head_dim, L->gate_up.n};
+        for (int i = 0; i < 4; i++) widest = sizes[i] > widest ? sizes[i] : widest;
+    }
+    float *h = malloc((size_t)(4 * M * widest) * sizeof(float));
+    if (!h) return -1;
+    float *big = h + M * widest, *att = big + M * widest, *tmp = att + M * widest;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && !status; l++) {
+        const nt_layer *L = &layers[l];
+        const nt_cache *c = &caches[l];
+        const int64_t H = L->heads, KVH = L->kv_heads, D = L->head_dim, hid = L->hidden;
+        const int64_t qkv_n = L->qkv.n;
+        /* attention */
+        nt_rms_norm(x, NULL, L->attn_in_norm, h, M, hid, L->eps);
+        status |= matmul(&L->qkv, h, M, big, threads);
+        for (int64_t t = 0; t < M; t++) {
+            float *row = big + t * qkv_n; /* q heads, k heads, v heads */
+            if (L->q_norm) nt_rms_norm(row, NULL, L->q_norm, row, H, D, L->eps);
+            if (L->k_norm) nt_rms_norm(row + H * D, NULL, L->k_norm, row + H * D, KVH, D, L->eps);
+            const int64_t half = L->rope_dim / 2;
+            const float *cos = rope_tables[2 * L->rope_table] + positions[t] * half;
+            const float *sin = rope_tables[2 * L->rope_table + 1] + positions[t] * half;
+            rope(row, H + KVH, D, L, cos, sin);
+            const int64_t at = slots[t] * KVH * D;
+            store_row(c->k, c->k_scales, c->kind, at, row + H * D, KVH * D);
+            store_row(c->v, c->v_scales, c->kind, at, row + (H + KVH) * D, KVH * D);
+            memcpy(att + t * H * D, row, (size_t)(H * D) * sizeof(float)); /* q, contiguous per token */
+        }
+        status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
+                                   L->window, threads);
+        status |= matmul(&L->o, tmp, M, h, threads);
+        if (L->attn_out_norm) nt_rms_norm(h, NULL, L->attn_out_norm, h, M, hid, L->eps);
+        /* MLP */
+        nt_rms_norm(x, h, L->mlp_in_norm, h, M, hid, L->eps);
+        status |= matmul(&L->gate_up, h, M, big, threads);
+        const int64_t F = L->ffn;
+        for (int64_t t = 0; t < M; t++) {
+            const float *g = big + t * 2 * F, *u = g + F;
+            float *a = att + t * F;
+            if (L->activation == 0) {
+                for (int64_t i = 0; i < F; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            } else {
+                for (int64_t i = 0; i < F; i++) a[i] = gelu_tanh(g[i]) * u[i];
+            }
+        }
+        status |= matmul(&L->down, att, M, h, threads);
+        if (L->mlp_out_norm) nt_rms_norm(h, NULL, L->mlp_out_norm, h, M, hid, L->eps);
+        for (int64_t i = 0; i < M * hid; i++) x[i] += h[i];
+    }
+    free(h);
+    return status ? -1 : 0;
+}
