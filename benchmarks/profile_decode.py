@@ -23,8 +23,7 @@ from nextoken import LLM, SamplingParams
 
 
 def run(model: str, weights: str, batch: int, steps: int, kv_dtype: str) -> str:
-    llm = LLM(model, weights=weights, kv_dtype=kv_dtype, device="cpu", enable_prefix_caching=False,
-              kv_cache_bytes=256 << 20)
+    llm = LLM(model, weights=weights, kv_dtype=kv_dtype, device="cpu", enable_prefix_caching=False)
     engine = llm.engine
     ids = prompt_ids(llm, 128 + batch)
     params = SamplingParams(temperature=0, max_tokens=steps * 3 + 8, ignore_eos=True)
@@ -34,6 +33,9 @@ def run(model: str, weights: str, batch: int, steps: int, kv_dtype: str) -> str:
         engine.step()
     for _ in range(steps):  # warm-up: caches, allocator, lazy tables
         engine.step()
+    running = len(engine.scheduler.running)
+    if running != batch:
+        raise SystemExit(f"only {running} of {batch} sequences fit the KV cache: the step would not be batch {batch}")
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()

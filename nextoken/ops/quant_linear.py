@@ -28,9 +28,12 @@ from nextoken.ops import native
 
 GROUP_SIZE = 32
 # Rows up to which the block kernels beat the fp32 GEMM over the dequantized weight (SmolLM2's projections, 30
-# layers, 2-core AVX2 machine: native Q4 1 row 5 ms, 16 rows 33 ms, 64 rows 165-175 ms; fp32 GEMM 16 rows 65 ms,
-# 64 rows 129 ms).
-NATIVE_MAX_ROWS = 32
+# layers, 2-core AVX2 machine: 8 rows 26.6 vs 50.8 ms, 16 rows 52.6 vs 56.4 ms, 32 rows 111.6 vs 99.9 ms, 64 rows
+# 237 vs 152 ms). Fused decode steps (models/fused.py) take batches in chunks of this many rows.
+NATIVE_MAX_ROWS = 16
+# The Q8 head's kernel skips the nibble unpacking and stays ahead for longer (49152 x 576 on the same machine: 1 row
+# 1.0 vs 8.2 ms, 32 rows 14.9 vs 27.6 ms, 64 rows 32 vs 43 ms).
+HEAD_NATIVE_MAX_ROWS = 128
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
@@ -290,7 +293,7 @@ class Int8GroupHead(nn.Module):
         self.num_exact = num_exact
         self.vocab_size = codes.shape[0]
         self.lib = native.library()
-        self.max_rows = NATIVE_MAX_ROWS if self.lib is not None else TORCH_INT4_MAX_ROWS
+        self.max_rows = HEAD_NATIVE_MAX_ROWS if self.lib is not None else TORCH_INT4_MAX_ROWS
         if self.lib is not None:
             self.blocks = q8_weight(codes, scales)
             return

@@ -139,6 +139,39 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
  * Per weight row, the products of weight and activation block scales are formed first (vectorized), so the inner
  * loop is integer products and one multiply-add per half block. Inlined for each constant T (rows sharing one
  * widened weight block), so that the accumulators stay in registers. */
+#ifdef NT_AVX2
+/* One weight block (g) into accumulator `which` of each of the T rows. */
+static inline __attribute__((always_inline)) void block_step(int kind, int halves, const quantized_rows *x, int64_t r0,
+                                                             const int T, int64_t K, const void *qs, int64_t n,
+                                                             int64_t g, float scale[][2 * MAX_GROUPS],
+                                                             __m256 acc[][2], const int which) {
+    __m256i w0, w1;
+    if (kind == 4) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16));
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)));
+    } else {
+        const int8_t *b = (const int8_t *)qs + n * K + g * QK;
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16)));
+    }
+    for (int i = 0; i < T; i++) {
+        const int16_t *a = x->q + (r0 + i) * K + g * QK;
+        const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)a));
+        const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(a + 16)));
+        if (halves == 2) {
+            acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[i][2 * g]),
+                                            acc[i][which]);
+            acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&scale[i][2 * g + 1]),
+                                            acc[i][which]);
+        } else {
+            acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                            _mm256_broadcast_ss(&scale[i][g]), acc[i][which]);
+        }
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void tile(int kind, const quantized_rows *x, int64_t r0, const int T,
                                                        int64_t K, const void *qs, const void *wd,
                                                        const uint16_t *wm, int64_t n0, int64_t n1, float *out,
@@ -162,34 +195,17 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
             if (kind == 4) offset[i] = half_scale(wm + n * groups, NULL, x->s + r * groups, groups, NULL);
         }
 #ifdef NT_AVX2
-        __m256 acc[TILE];
-        for (int i = 0; i < T; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            __m256i w0, w1;
-            if (kind == 4) {
-                const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16));
-                w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
-                w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)));
-            } else {
-                const int8_t *b = (const int8_t *)qs + n * K + g * QK;
-                w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b));
-                w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16)));
-            }
-            for (int i = 0; i < T; i++) {
-                const int16_t *a = x->q + (r0 + i) * K + g * QK;
-                const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)a));
-                const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(a + 16)));
-                if (halves == 2) {
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[i][2 * g]), acc[i]);
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&scale[i][2 * g + 1]),
-                                             acc[i]);
-                } else {
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                             _mm256_broadcast_ss(&scale[i][g]), acc[i]);
-                }
-            }
+        /* Two accumulators per row, for even and odd blocks: one row's chain of multiply-adds would otherwise wait
+         * on each previous one (4 cycles) at every block. */
+        __m256 acc[TILE][2];
+        for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+        int64_t g = 0;
+        for (; g + 2 <= groups; g += 2) {
+            block_step(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
+            block_step(kind, halves, x, r0, T, K, qs, n, g + 1, scale, acc, 1);
         }
-        for (int i = 0; i < T; i++) out[(r0 + i) * ldo + n] = hsum_ps(acc[i]) + offset[i];
+        if (g < groups) block_step(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
+        for (int i = 0; i < T; i++) out[(r0 + i) * ldo + n] = hsum_ps(_mm256_add_ps(acc[i][0], acc[i][1])) + offset[i];
 #else
         for (int i = 0; i < T; i++) {
             const int16_t *a = x->q + (r0 + i) * K;
@@ -274,22 +290,21 @@ typedef struct {
     int kind;
 } kv_store;
 
-static inline void load_row(const kv_store *s, int64_t row, int64_t D, float *dst) {
-    if (s->kind == 0) {
-        memcpy(dst, (const float *)s->data + row * D, (size_t)D * sizeof(float));
-    } else if (s->kind == 1) {
-        const uint16_t *src = (const uint16_t *)s->data + row * D;
+/* n values of a narrow cache from element `at` on, as fp32 (int8: n and at multiples of 32). */
+static inline void load_row(const kv_store *s, int64_t at, int64_t n, float *dst) {
+    if (s->kind == 1) {
+        const uint16_t *src = (const uint16_t *)s->data + at;
 #pragma omp simd
-        for (int64_t i = 0; i < D; i++) {
+        for (int64_t i = 0; i < n; i++) {
             const uint32_t bits = (uint32_t)src[i] << 16;
             float f;
             memcpy(&f, &bits, 4);
             dst[i] = f;
         }
     } else {
-        const int8_t *src = (const int8_t *)s->data + row * D;
-        const uint16_t *sc = s->scales + row * (D / QK);
-        for (int64_t g = 0; g < D / QK; g++) {
+        const int8_t *src = (const int8_t *)s->data + at;
+        const uint16_t *sc = s->scales + at / QK;
+        for (int64_t g = 0; g < n / QK; g++) {
             const float d = half_to_float(sc[g]);
 #pragma omp simd
             for (int64_t i = 0; i < QK; i++) dst[g * QK + i] = d * (float)src[g * QK + i];
@@ -298,6 +313,16 @@ static inline void load_row(const kv_store *s, int64_t row, int64_t D, float *ds
 }
 
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
+#ifdef NT_AVX2
+    if (n % 16 == 0) {
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < n; i += 16) {
+            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+        }
+        return hsum_ps(_mm256_add_ps(s0, s1));
+    }
+#endif
     float s = 0.0f;
 #pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
@@ -310,22 +335,28 @@ typedef struct {
     int64_t kind, block_size;       /* kind: 0 fp32, 1 bf16, 2 int8 */
 } nt_cache;
 
-/* Attention of the `rep` query heads [rep, D] sharing kv head `kvh`, over positions [first, len) of a sequence whose
- * blocks are `table`; `scores` has room for rep * (len - first) floats, `row` for D. */
-static void attend(const float *qh, float *oh, int64_t rep, const nt_cache *c, int64_t kv_heads, int64_t kvh,
-                   int64_t D, const int64_t *table, int64_t first, int64_t len, float scale, float *scores,
-                   float *row) {
-    const int64_t count = len - first, bs = c->block_size;
+/* Attention of all query heads [heads, D] of one token over positions [first, len) of a sequence whose blocks are
+ * `table`: query head h reads kv head h / (heads / kv_heads). Positions are visited once, all kv heads of a token
+ * together (they are neighbours in the cache). `scores` has room for heads * (len - first) floats, `row` for
+ * kv_heads * D. */
+static void attend(const float *q, float *out, int64_t heads, const nt_cache *c, int64_t kv_heads, int64_t D,
+                   const int64_t *table, int64_t first, int64_t len, float scale, float *scores, float *row) {
+    const int64_t count = len - first, bs = c->block_size, rep = heads / kv_heads, width = kv_heads * D;
     const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
-    for (int64_t p = first; p < len; p++) {
-        const int64_t at = (table[p / bs] * bs + p % bs) * kv_heads + kvh;
-        const float *key = row;
-        if (c->kind == 0) key = (const float *)c->k + at * D;
-        else load_row(&ks, at, D, row);
-        for (int64_t r = 0; r < rep; r++) scores[r * count + (p - first)] = scale * dot_f32(qh + r * D, key, D);
+    /* Positions [first, len), a block at a time: p = b * bs + offset. */
+    for (int64_t b = first / bs, p = first; p < len; b++) {
+        const int64_t end = (b + 1) * bs < len ? (b + 1) * bs : len;
+        for (; p < end; p++) {
+            const int64_t at = (table[b] * bs + p - b * bs) * kv_heads;
+            const float *keys = row;
+            if (c->kind == 0) keys = (const float *)c->k + at * D;
+            else load_row(&ks, at * D, width, row);
+            for (int64_t h = 0; h < heads; h++)
+                scores[h * count + (p - first)] = scale * dot_f32(q + h * D, keys + (h / rep) * D, D);
+        }
     }
-    for (int64_t r = 0; r < rep; r++) {
-        float *sr = scores + r * count;
+    for (int64_t h = 0; h < heads; h++) {
+        float *sr = scores + h * count;
         float max = -INFINITY, sum = 0.0f;
         for (int64_t j = 0; j < count; j++) max = fmaxf(max, sr[j]);
         for (int64_t j = 0; j < count; j++) {
@@ -334,47 +365,49 @@ static void attend(const float *qh, float *oh, int64_t rep, const nt_cache *c, i
         }
         const float inv = 1.0f / sum;
         for (int64_t j = 0; j < count; j++) sr[j] *= inv;
-        memset(oh + r * D, 0, (size_t)D * sizeof(float));
     }
-    for (int64_t p = first; p < len; p++) {
-        const int64_t at = (table[p / bs] * bs + p % bs) * kv_heads + kvh;
-        const float *value = row;
-        if (c->kind == 0) value = (const float *)c->v + at * D;
-        else load_row(&vs, at, D, row);
-        for (int64_t r = 0; r < rep; r++) {
-            float *o = oh + r * D;
-            const float w = scores[r * count + (p - first)];
+    memset(out, 0, (size_t)(heads * D) * sizeof(float));
+    for (int64_t b = first / bs, p = first; p < len; b++) {
+        const int64_t end = (b + 1) * bs < len ? (b + 1) * bs : len;
+        for (; p < end; p++) {
+            const int64_t at = (table[b] * bs + p - b * bs) * kv_heads;
+            const float *values = row;
+            if (c->kind == 0) values = (const float *)c->v + at * D;
+            else load_row(&vs, at * D, width, row);
+            for (int64_t h = 0; h < heads; h++) {
+                float *o = out + h * D;
+                const float *value = values + (h / rep) * D;
+                const float w = scores[h * count + (p - first)];
 #pragma omp simd
-            for (int64_t j = 0; j < D; j++) o[j] += w * value[j];
+                for (int64_t j = 0; j < D; j++) o[j] += w * value[j];
+            }
         }
     }
 }
 
 /* One new query token per listed sequence, attending over that sequence's cached tokens (its own K/V included):
  * out[rows[i], h] = softmax(scale * q[rows[i], h] . K^T) V over positions [max(0, len - window), len) of sequence i,
- * whose blocks are tables[table_rows[i] * table_stride + ...]. Query heads map to kv heads in groups (GQA).
- * q and out are [tokens, heads, head_dim] fp32. head_dim must be a multiple of 32 for int8 caches. */
+ * whose blocks are tables[table_rows[i] * table_stride + ...] (rows, table_rows: NULL for 0, 1, 2, ...). Query
+ * heads map to kv heads in groups (GQA). q and out are [tokens, heads, head_dim] fp32. head_dim must be a multiple
+ * of 32 for int8 caches. */
 static int decode_attention(const float *q, float *out, int64_t n, const int64_t *rows, const int64_t *seq_lens,
                             const int64_t *tables, const int64_t *table_rows, int64_t table_stride,
                             const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                             int64_t window, int threads) {
     if (c->kind == 2 && D % QK) return -1;
-    const int64_t rep = heads / kv_heads;
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n * kv_heads > 1)
-    for (int64_t task = 0; task < n * kv_heads; task++) {
-        const int64_t i = task / kv_heads, kvh = task % kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n > 1)
+    for (int64_t i = 0; i < n; i++) {
         const int64_t len = seq_lens[i];
         const int64_t first = window > 0 && len > window ? len - window : 0;
-        float *scores = malloc((size_t)((len - first) * rep + D) * sizeof(float));
+        float *scores = malloc((size_t)((len - first) * heads + kv_heads * D) * sizeof(float));
         if (!scores) {
             failed = 1;
             continue;
         }
-        const int64_t at = (rows ? rows[i] : i) * heads + kvh * rep;
-        attend(q + at * D, out + at * D, rep, c, kv_heads, kvh, D,
-               tables + (table_rows ? table_rows[i] : i) * table_stride, first, len, scale, scores,
-               scores + (len - first) * rep);
+        const int64_t at = (rows ? rows[i] : i) * heads * D;
+        attend(q + at, out + at, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
+               first, len, scale, scores, scores + (len - first) * heads);
         free(scores);
     }
     return failed ? -1 : 0;
