@@ -130,8 +130,9 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, tiny_llama: 
         expected = decode_step(net, cfg, twin, tokens, lengths)
         net.fused = fused
         got = decode_step(net, cfg, pool, tokens, lengths)
-        # Same formulas in a different order (and int16 activation blocks that may round a last bit differently).
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=2e-3)
+        # Same formulas in a different order (and int16 activation blocks that may round a last bit differently;
+        # an int8 cache may then store a code one step apart). A misplaced window or slot moves logits by ~1.
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-2 if kv_dtype == "int8" else 2e-3)
         for mine, other in zip(pool.layers, twin.layers):
             for name in ("k", "v", "k_scale", "v_scale"):
                 if getattr(mine, name) is not None:
