@@ -46,10 +46,10 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positio
 
 
 class Sequences:
-    def __init__(self, tables: list[list[int]], kv_dtype: str, window: int | None) -> None:
+    def __init__(self, tables: list[list[int]], kv_dtype: str, window: int | None, num_blocks: int = 32) -> None:
         self.tables = tables
         self.kv_dtype, self.window = kv_dtype, window
-        self.pool = KVPool(KVShape(1, KV_HEADS, HEAD_DIM, STORAGE[kv_dtype]), 32, BLOCK, torch.device("cpu"))
+        self.pool = KVPool(KVShape(1, KV_HEADS, HEAD_DIM, STORAGE[kv_dtype]), num_blocks, BLOCK, torch.device("cpu"))
         self.keys = [torch.empty(0, KV_HEADS, HEAD_DIM) for _ in tables]
         self.values = [torch.empty(0, KV_HEADS, HEAD_DIM) for _ in tables]
 
@@ -111,3 +111,19 @@ def test_batched_decode_groups_far_apart_lengths(kv_dtype: str, window: int | No
     assert [group.seq_lens for group in groups] == [[4], [22, 41]]
     seqs.step([1, 1, 1], gen)
     seqs.step([1, 1, 1], gen)
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+def test_long_context_decode_split_across_threads(kv_dtype: str, window: int | None) -> None:
+    """One or two sequences with hundreds of tokens: the native kernel splits each context into parts attended on
+    separate threads and merges them by their softmax statistics (parts of 128 positions or more)."""
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(2)
+    order = torch.randperm(200, generator=gen).tolist()  # scattered blocks
+    seqs = Sequences([order[:100], order[100:]], kv_dtype, window, num_blocks=200)
+    seqs.step([300, 0], gen)
+    seqs.step([1, 0], gen)  # 301 positions: two parts of 151
+    seqs.step([0, 130], gen)
+    seqs.step([1, 1], gen)  # as many sequences as threads: one part each
+    seqs.step([0, 1], gen)  # 132 positions: a part of 128 and one of 4

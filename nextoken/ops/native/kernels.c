@@ -337,10 +337,12 @@ typedef struct {
 
 /* Attention of all query heads [heads, D] of one token over positions [first, len) of a sequence whose blocks are
  * `table`: query head h reads kv head h / (heads / kv_heads). Positions are visited once, all kv heads of a token
- * together (they are neighbours in the cache). `scores` has room for heads * (len - first) floats, `row` for
- * kv_heads * D. */
-static void attend(const float *q, float *out, int64_t heads, const nt_cache *c, int64_t kv_heads, int64_t D,
-                   const int64_t *table, int64_t first, int64_t len, float scale, float *scores, float *row) {
+ * together (they are neighbours in the cache). Leaves out[h] = sum_p exp(s_p - max[h]) v_p unnormalized, with
+ * max[h] and sum[h] = sum_p exp(s_p - max[h]), so that parts of one sequence's positions can be merged.
+ * `scores` has room for heads * (len - first) floats, `row` for kv_heads * D. */
+static void attend(const float *q, float *out, float *max, float *sum, int64_t heads, const nt_cache *c,
+                   int64_t kv_heads, int64_t D, const int64_t *table, int64_t first, int64_t len, float scale,
+                   float *scores, float *row) {
     const int64_t count = len - first, bs = c->block_size, rep = heads / kv_heads, width = kv_heads * D;
     const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
     /* Positions [first, len), a block at a time: p = b * bs + offset. */
@@ -357,14 +359,14 @@ static void attend(const float *q, float *out, int64_t heads, const nt_cache *c,
     }
     for (int64_t h = 0; h < heads; h++) {
         float *sr = scores + h * count;
-        float max = -INFINITY, sum = 0.0f;
-        for (int64_t j = 0; j < count; j++) max = fmaxf(max, sr[j]);
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t j = 0; j < count; j++) m = fmaxf(m, sr[j]);
         for (int64_t j = 0; j < count; j++) {
-            sr[j] = expf(sr[j] - max);
-            sum += sr[j];
+            sr[j] = expf(sr[j] - m);
+            total += sr[j];
         }
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < count; j++) sr[j] *= inv;
+        max[h] = m;
+        sum[h] = total;
     }
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
     for (int64_t b = first / bs, p = first; p < len; b++) {
@@ -385,31 +387,86 @@ static void attend(const float *q, float *out, int64_t heads, const nt_cache *c,
     }
 }
 
+/* Positions per part when one sequence's context is split across threads (fewer sequences than threads). */
+#define SPLIT_MIN 128
+
 /* One new query token per listed sequence, attending over that sequence's cached tokens (its own K/V included):
  * out[rows[i], h] = softmax(scale * q[rows[i], h] . K^T) V over positions [max(0, len - window), len) of sequence i,
  * whose blocks are tables[table_rows[i] * table_stride + ...] (rows, table_rows: NULL for 0, 1, 2, ...). Query
  * heads map to kv heads in groups (GQA). q and out are [tokens, heads, head_dim] fp32. head_dim must be a multiple
- * of 32 for int8 caches. */
+ * of 32 for int8 caches. With fewer sequences than threads, each context is split into parts attended on their own
+ * and merged by their softmax maxima and sums (as flash-decoding does), so a single sequence uses every thread. */
 static int decode_attention(const float *q, float *out, int64_t n, const int64_t *rows, const int64_t *seq_lens,
                             const int64_t *tables, const int64_t *table_rows, int64_t table_stride,
                             const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                             int64_t window, int threads) {
     if (c->kind == 2 && D % QK) return -1;
+    const int64_t parts = n >= threads ? 1 : threads;
+    /* per (sequence, part): heads * D outputs, heads maxima and sums */
+    float *partial = parts > 1 ? malloc((size_t)(n * parts * heads * (D + 2)) * sizeof(float)) : NULL;
+    if (parts > 1 && !partial) return -1;
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n > 1)
-    for (int64_t i = 0; i < n; i++) {
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n * parts > 1)
+    for (int64_t task = 0; task < n * parts; task++) {
+        const int64_t i = task / parts, part = task % parts;
         const int64_t len = seq_lens[i];
-        const int64_t first = window > 0 && len > window ? len - window : 0;
-        float *scores = malloc((size_t)((len - first) * heads + kv_heads * D) * sizeof(float));
+        const int64_t start = window > 0 && len > window ? len - window : 0;
+        int64_t first = start, last = len;
+        if (parts > 1) { /* this part's share, in whole SPLIT_MIN runs; later parts may be empty */
+            int64_t share = (len - start + parts - 1) / parts;
+            share = share < SPLIT_MIN ? SPLIT_MIN : share;
+            first = start + part * share < len ? start + part * share : len;
+            last = first + share < len ? first + share : len;
+        }
+        const int64_t at = (rows ? rows[i] : i) * heads * D;
+        float *o = parts > 1 ? partial + task * heads * (D + 2) : out + at;
+        float *max = parts > 1 ? o + heads * D : NULL, *sum = max ? max + heads : NULL;
+        float stats[2 * 256];
+        if (!max) {
+            if (heads > 256) { failed = 1; continue; }
+            max = stats;
+            sum = stats + heads;
+        }
+        if (first == last) { /* an empty part: contributes nothing */
+            for (int64_t h = 0; h < heads; h++) max[h] = -INFINITY, sum[h] = 0.0f;
+            continue;
+        }
+        float *scores = malloc((size_t)((last - first) * heads + kv_heads * D) * sizeof(float));
         if (!scores) {
             failed = 1;
             continue;
         }
-        const int64_t at = (rows ? rows[i] : i) * heads * D;
-        attend(q + at, out + at, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
-               first, len, scale, scores, scores + (len - first) * heads);
+        attend(q + at, o, max, sum, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
+               first, last, scale, scores, scores + (last - first) * heads);
         free(scores);
+        if (parts == 1) {
+            for (int64_t h = 0; h < heads; h++) {
+                const float inv = 1.0f / sum[h];
+                for (int64_t j = 0; j < D; j++) o[h * D + j] *= inv;
+            }
+        }
     }
+    if (parts > 1 && !failed) {
+        for (int64_t i = 0; i < n; i++) {
+            float *o = out + (rows ? rows[i] : i) * heads * D;
+            for (int64_t h = 0; h < heads; h++) {
+                float m = -INFINITY, total = 0.0f;
+                for (int64_t part = 0; part < parts; part++)
+                    m = fmaxf(m, partial[(i * parts + part) * heads * (D + 2) + heads * D + h]);
+                memset(o + h * D, 0, (size_t)D * sizeof(float));
+                for (int64_t part = 0; part < parts; part++) {
+                    const float *p = partial + (i * parts + part) * heads * (D + 2);
+                    if (p[heads * D + heads + h] == 0.0f) continue; /* empty part */
+                    const float w = expf(p[heads * D + h] - m);
+                    total += w * p[heads * D + heads + h];
+                    for (int64_t j = 0; j < D; j++) o[h * D + j] += w * p[h * D + j];
+                }
+                const float inv = 1.0f / total;
+                for (int64_t j = 0; j < D; j++) o[h * D + j] *= inv;
+            }
+        }
+    }
+    free(partial);
     return failed ? -1 : 0;
 }
 
