@@ -139,6 +139,13 @@ def attention_applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
             and (cache.dtype != torch.int8 or cache.shape[-1] % 32 == 0))
 
 
+def reads_written_slots_only(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether every attention read of a cache of this kind goes through decode_attention (decode rows) or an exact
+    per-sequence gather (prefill): fp32 activations on CPU with the library built."""
+    return (device.type == "cpu" and library() is not None and kv_dtype in _KV_KINDS
+            and (kv_dtype != torch.int8 or head_dim % 32 == 0))
+
+
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
                      seq_lens: torch.Tensor, tables: torch.Tensor, table_rows: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, k_scales: torch.Tensor | None, v_scales: torch.Tensor | None, scale: float,
