@@ -64,7 +64,7 @@ class FusedDecoder:
                 _norm(norms["attn_in"]), _norm(norms["attn_out"]), _norm(norms["mlp_in"]), _norm(norms["mlp_out"]),
                 _norm(attn.q_norm), _norm(attn.k_norm), *matrices))
         self.layers = (native.Layer * len(layers))(*layers)
-        self._caches: tuple[tuple[int, ...], ctypes.Array] | None = None
+        self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
 
     @classmethod
     def build(cls, model: CausalLM) -> FusedDecoder | None:
@@ -84,10 +84,13 @@ class FusedDecoder:
                 and not (block._forward_hooks or block._forward_pre_hooks))
 
     def _cache_structs(self, kv_caches: list[KVCacheLayer]) -> ctypes.Array:
-        key = tuple(c.k.data_ptr() for c in kv_caches)
-        if self._caches is None or self._caches[0] != key:
+        """The layers' caches as the kernel's structs, rebuilt when other cache objects come in. The structs hold
+        raw pointers, so the layers they point into are kept referenced here for as long as the structs are used
+        (comparing addresses instead could match a new pool allocated where a freed one was)."""
+        if self._caches is None or len(self._caches[0]) != len(kv_caches) or any(
+                a is not b for a, b in zip(self._caches[0], kv_caches)):
             structs = [native.cache_struct(c.k, c.v, c.k_scale, c.v_scale) for c in kv_caches]
-            self._caches = (key, (native.Cache * len(structs))(*structs))
+            self._caches = (tuple(kv_caches), (native.Cache * len(structs))(*structs))
         return self._caches[1]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],

@@ -143,3 +143,19 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, tiny_llama: 
         lengths = [length + 1 for length in lengths]
     # An int8 cache needs heads of a multiple of 32 values natively (tiny Llama's are 16): the modules run it.
     assert len(runs) == (0 if kv_dtype == "int8" and cfg.head_dim % 32 else 3)
+
+
+def test_fused_decode_follows_a_new_pool(tiny_llama: Path) -> None:
+    """The kernel structs hold raw pointers: a new pool (even one whose K tensors land where a freed pool's were)
+    gets structs of its own, and the pool they point into stays alive while they are in use."""
+    gguf = read_gguf(tiny_llama)
+    cfg = ModelConfig.from_gguf(gguf)
+    net = load_model(gguf, cfg, quant="int4", quantize_head=True)
+    shape = KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    first = KVPool(shape, 4, BLOCK, torch.device("cpu"))
+    structs = net.fused._cache_structs(first.layers)
+    assert net.fused._cache_structs(first.layers) is structs  # the same caches: built once
+    second = KVPool(shape, 7, BLOCK, torch.device("cpu"))
+    structs = net.fused._cache_structs(second.layers)
+    for struct, layer in zip(structs, second.layers):
+        assert (struct.k, struct.v) == (layer.k.data_ptr(), layer.v.data_ptr())
