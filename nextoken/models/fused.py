@@ -7,8 +7,8 @@ model has them, rotary embedding, the K/V write into the paged cache, attention 
 output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
 
 It is only a faster route through the same model: the modules stay the definition (prefill, GPUs and traced runs
-use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same
-outputs. It applies when every projection is block-quantized on the native kernels.
+use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies
+when every projection is block-quantized on the native kernels.
 """
 
 from __future__ import annotations
@@ -102,8 +102,10 @@ class FusedDecoder:
             rope.grow(top, positions.device)
             tables += [rope.cos_table.data_ptr(), rope.sin_table.data_ptr()]
         _, seq_lens, _ = meta.single_queries()
-        x, positions, slots = x.contiguous(), positions.contiguous(), meta.slot_mapping.contiguous()
-        block_tables = meta.block_tables.contiguous()
+        # The kernel reads int64 indices from raw pointers: make sure of dtype and layout.
+        positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()
+        block_tables = meta.block_tables.to(torch.int64).contiguous()
+        x = x.contiguous()
         caches, rope_tables = self._cache_structs(kv_caches), (ctypes.c_void_p * len(tables))(*tables)
         # Sequences are independent here: larger batches go in chunks of the rows the block kernels are fastest
         # at (SmolLM2 on 2 AVX2 cores: 4.4 ms per token at 16 or 32 rows, 5.0 at 64 in one call).

@@ -137,8 +137,9 @@ def _native_attention(lib: ctypes.CDLL, q: torch.Tensor, cache: KVCacheLayer, me
     out = torch.empty_like(q)
     rows, seq_lens, table_rows = meta.single_queries()
     if rows.shape[0]:
-        native.decode_attention(lib, q, out, rows, seq_lens, meta.block_tables.contiguous(), table_rows, cache.k,
-                                cache.v, cache.k_scale, cache.v_scale, scale, sliding_window)
+        tables = meta.block_tables.to(torch.int64).contiguous()  # read through a raw pointer
+        native.decode_attention(lib, q, out, rows, seq_lens, tables, table_rows, cache.k, cache.v, cache.k_scale,
+                                cache.v_scale, scale, sliding_window)
     starts = meta.query_start_loc
     for s, seq_len in enumerate(meta.seq_lens):
         start, end = starts[s], starts[s + 1]
