@@ -2,8 +2,9 @@
 
 torch's CPU ops cost microseconds each before doing any work, and a decode step is thousands of small ops; its
 int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth on AVX2. These kernels do what a
-decode step needs in single calls: block-quantized matrix products (Q4 and Q8 weights, activations quantized to
-int8 blocks on the fly) and RMSNorm fused with the residual add.
+decode step needs in single calls: block-quantized matrix products (Q4 and int8 weights, activations quantized to
+int16 blocks on the fly), RMSNorm fused with the residual add, paged decode attention, and every decoder block of
+a decode step at once (`decode_layers`, used by models/fused.py).
 
 The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
 a cache directory keyed by the source and the CPU ($NEXTOKEN_CACHE, default ~/.cache/nextoken). It links the OpenMP
