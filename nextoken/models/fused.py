@@ -99,12 +99,8 @@ class FusedDecoder:
         top = int(positions.max()) + 1
         tables = []
         for rope in self.ropes:
-            rope.grow(top, positions.device)
-            tables += [rope.cos_table.data_ptr(), rope.sin_table.data_ptr()]
+            tables += [t.data_ptr() for t in rope.tables(top, positions.device)]
         _, seq_lens, _ = meta.single_queries()
-        # The kernel reads int64 indices from raw pointers: make sure of dtype and layout.
-        positions, slots = positions.to(torch.int64).contiguous(), meta.slot_mapping.to(torch.int64).contiguous()
-        block_tables = meta.block_tables.to(torch.int64).contiguous()
         x = x.contiguous()
         caches, rope_tables = self._cache_structs(kv_caches), (ctypes.c_void_p * len(tables))(*tables)
         # Sequences are independent here: larger batches go in chunks of the rows the block kernels are fastest
@@ -112,6 +108,6 @@ class FusedDecoder:
         with torch.profiler.record_function("nextoken::decode_layers"):  # named in profiles (benchmarks/)
             for start in range(0, x.shape[0], NATIVE_MAX_ROWS):
                 rows = slice(start, start + NATIVE_MAX_ROWS)
-                native.decode_layers(self.lib, x[rows], positions[rows], slots[rows], seq_lens[rows],
-                                     block_tables[rows], self.layers, caches, rope_tables)
+                native.decode_layers(self.lib, x[rows], positions[rows], meta.slot_mapping[rows], seq_lens[rows],
+                                     meta.block_tables[rows], self.layers, caches, rope_tables)
         return x

@@ -85,19 +85,8 @@ class RotaryEmbedding(nn.Module):
         self._last_positions: torch.Tensor | None = None
         self._last: tuple[torch.Tensor, ...] = ()
 
-    @property
-    def cos_table(self) -> torch.Tensor:
-        return self._cos
-
-    @property
-    def sin_table(self) -> torch.Tensor:
-        return self._sin
-
-    def grow(self, length: int, device: torch.device) -> None:
-        """Make the tables ([positions, dim / 2] fp32) cover positions below `length`."""
-        self._table(length, device)
-
-    def _table(self, length: int, device: torch.device) -> None:
+    def tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [positions, dim / 2] fp32, grown to cover positions below `length`."""
         if self._cos.shape[0] < length or self._cos.device != device:
             size = max(256, 1 << (length - 1).bit_length())
             exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
@@ -106,6 +95,7 @@ class RotaryEmbedding(nn.Module):
             freqs = torch.outer(positions, inv_freq)  # [size, dim/2]
             self._cos, self._sin = freqs.cos(), freqs.sin()
             self._cis = torch.complex(self._cos, self._sin)
+        return self._cos, self._sin
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor, num_q_heads: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +108,7 @@ class RotaryEmbedding(nn.Module):
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Every layer of one forward pass passes the same positions tensor: gather the table once, not per layer.
         if positions is not self._last_positions:
-            self._table(int(positions.max()) + 1, positions.device)
+            self.tables(int(positions.max()) + 1, positions.device)
             self._last_positions = positions
             if self.layout == "interleaved":
                 self._last = (self._cis[positions].unsqueeze(1),)  # [tokens, 1, dim/2] complex

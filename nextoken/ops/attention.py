@@ -1,4 +1,6 @@
-"""Paged attention in pure torch: writes new K/V into cache slots, then attends over each sequence's blocks.
+"""Paged attention: writes new K/V into cache slots, then attends over each sequence's blocks. On CPU, decode rows
+go through the native kernel (ops/native), which reads the blocks in place; prefill chunks, and every row where the
+native kernel does not apply, go through torch's SDPA over the gathered context.
 
 The KV cache of one layer (`KVCacheLayer`) holds K and V as [num_blocks, block_size, num_kv_heads, head_dim] (fp32,
 bf16, or int8 with scales, read back as the queries' dtype); a sequence's tokens live in the blocks its block table
@@ -9,7 +11,6 @@ at position seq_len - query_len + i.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -112,40 +113,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     quantized cache's rounding applies to the new tokens too)."""
     cache.write(k, v, meta.slot_mapping)
     lib = native.library()
-    if lib is not None and native.attention_applies(q, cache.k):
-        return _native_attention(lib, q, cache, meta, scale, sliding_window)
-    if meta.is_decode_only and meta.num_seqs > 1:
-        return _batched_decode(q, cache, meta, scale, sliding_window)
-    single = meta.num_seqs == 1
-    out = q if single else torch.empty_like(q)
+    if lib is None or not native.attention_applies(q, cache.k):
+        lib = None
+        if meta.is_decode_only and meta.num_seqs > 1:
+            return _batched_decode(q, cache, meta, scale, sliding_window)
     starts = meta.query_start_loc
+    firsts = meta.first_blocks or [None] * meta.num_seqs
+    if meta.num_seqs == 1 and (lib is None or starts[1] > 1):  # one sequence through SDPA: no output copy
+        return _sdpa(q, cache, meta.block_tables[0], meta.seq_lens[0], firsts[0], scale, sliding_window)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if lib is not None:
+        # Every decode row in one native call that reads K/V straight from the blocks (no gather, no padding).
+        rows, seq_lens, table_rows = meta.single_queries()
+        if rows.shape[0]:
+            native.decode_attention(lib, q.contiguous(), out, rows, seq_lens, meta.block_tables, table_rows, cache.k, cache.v,
+                                    cache.k_scale, cache.v_scale, scale, sliding_window)
     for s, seq_len in enumerate(meta.seq_lens):
         start, end = starts[s], starts[s + 1]
-        first = meta.first_blocks[s] if meta.first_blocks is not None else None
-        o = _sdpa(q[start:end], cache, meta.block_tables[s], seq_len, first, scale, sliding_window)
-        if single:
-            return o
-        out[start:end] = o
-    return out
-
-
-def _native_attention(lib: ctypes.CDLL, q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
-                      sliding_window: int | None) -> torch.Tensor:
-    """On CPU: every decode sequence's query in one native call that reads K/V straight from its blocks (no gather,
-    no padding); sequences with several new tokens (prefill chunks) through SDPA as below."""
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    rows, seq_lens, table_rows = meta.single_queries()
-    if rows.shape[0]:
-        tables = meta.block_tables.to(torch.int64).contiguous()  # read through a raw pointer
-        native.decode_attention(lib, q, out, rows, seq_lens, tables, table_rows, cache.k, cache.v, cache.k_scale,
-                                cache.v_scale, scale, sliding_window)
-    starts = meta.query_start_loc
-    for s, seq_len in enumerate(meta.seq_lens):
-        start, end = starts[s], starts[s + 1]
-        if end - start > 1:
-            first = meta.first_blocks[s] if meta.first_blocks is not None else None
-            out[start:end] = _sdpa(q[start:end], cache, meta.block_tables[s], seq_len, first, scale, sliding_window)
+        if lib is None or end - start > 1:
+            out[start:end] = _sdpa(q[start:end], cache, meta.block_tables[s], seq_len, firsts[s], scale,
+                                   sliding_window)
     return out
 
 

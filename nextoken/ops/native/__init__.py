@@ -101,6 +101,11 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+def _indices(t: torch.Tensor) -> torch.Tensor:
+    """An index tensor as the kernels read it through a raw pointer: int64, contiguous (a no-op when it is)."""
+    return t.to(torch.int64).contiguous()
+
+
 def _check(x: torch.Tensor) -> None:
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1:
         raise ValueError(f"native kernels take fp32 CPU rows with unit stride, got {x.dtype} on {x.device}")
@@ -155,6 +160,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows:
     q, out [tokens, heads, head_dim] fp32 contiguous; rows, seq_lens, table_rows [n] int64; tables [seqs, blocks]
     int64; k, v [num_blocks, block_size, kv_heads, head_dim] fp32, bf16 or int8 (with fp16 scales)."""
     _, block_size, kv_heads, head_dim = k.shape
+    rows, seq_lens, tables, table_rows = (_indices(t) for t in (rows, seq_lens, tables, table_rows))
     status = lib.nt_decode_attention(
         q.data_ptr(), out.data_ptr(), rows.shape[0], rows.data_ptr(), seq_lens.data_ptr(), tables.data_ptr(),
         table_rows.data_ptr(), tables.stride(0), k.data_ptr(), v.data_ptr(),
@@ -210,6 +216,7 @@ def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sl
                   seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
                   rope_tables: ctypes.Array) -> None:
     """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers)."""
+    positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
     status = lib.nt_decode_layers(x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
                                   seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), ctypes.addressof(layers),
                                   ctypes.addressof(caches), len(layers), ctypes.addressof(rope_tables),

@@ -336,27 +336,35 @@ typedef struct {
     int64_t kind, block_size;       /* kind: 0 fp32, 1 bf16, 2 int8 */
 } nt_cache;
 
+/* Cache row of each position in [first, len) of a sequence whose blocks are `table` (in units of one kv head's
+ * values: position p's kv heads start at at[p - first] * D). */
+static void cache_rows(const int64_t *table, int64_t bs, int64_t kv_heads, int64_t first, int64_t len, int64_t *at) {
+    for (int64_t b = first / bs, p = first; p < len; b++) /* a block at a time: no division per position */
+        for (const int64_t end = (b + 1) * bs < len ? (b + 1) * bs : len; p < end; p++)
+            at[p - first] = (table[b] * bs + p - b * bs) * kv_heads;
+}
+
+/* A token's kv heads (kv_heads * D values from element `at`) as fp32: in place for an fp32 cache, else into row. */
+static inline const float *token_kv(const kv_store *s, int64_t at, int64_t width, float *row) {
+    if (s->kind == 0) return (const float *)s->data + at;
+    load_row(s, at, width, row);
+    return row;
+}
+
 /* Attention of all query heads [heads, D] of one token over positions [first, len) of a sequence whose blocks are
  * `table`: query head h reads kv head h / (heads / kv_heads). Positions are visited once, all kv heads of a token
  * together (they are neighbours in the cache). Leaves out[h] = sum_p exp(s_p - max[h]) v_p unnormalized, with
  * max[h] and sum[h] = sum_p exp(s_p - max[h]), so that parts of one sequence's positions can be merged.
- * `scores` has room for heads * (len - first) floats, `row` for kv_heads * D. */
+ * `scores` has room for heads * (len - first) floats, `row` for kv_heads * D, `at` for len - first indices. */
 static void attend(const float *q, float *out, float *max, float *sum, int64_t heads, const nt_cache *c,
                    int64_t kv_heads, int64_t D, const int64_t *table, int64_t first, int64_t len, float scale,
-                   float *scores, float *row) {
-    const int64_t count = len - first, bs = c->block_size, rep = heads / kv_heads, width = kv_heads * D;
+                   float *scores, float *row, int64_t *at) {
+    const int64_t count = len - first, rep = heads / kv_heads, width = kv_heads * D;
     const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
-    /* Positions [first, len), a block at a time: p = b * bs + offset. */
-    for (int64_t b = first / bs, p = first; p < len; b++) {
-        const int64_t end = (b + 1) * bs < len ? (b + 1) * bs : len;
-        for (; p < end; p++) {
-            const int64_t at = (table[b] * bs + p - b * bs) * kv_heads;
-            const float *keys = row;
-            if (c->kind == 0) keys = (const float *)c->k + at * D;
-            else load_row(&ks, at * D, width, row);
-            for (int64_t h = 0; h < heads; h++)
-                scores[h * count + (p - first)] = scale * dot_f32(q + h * D, keys + (h / rep) * D, D);
-        }
+    cache_rows(table, c->block_size, kv_heads, first, len, at);
+    for (int64_t j = 0; j < count; j++) {
+        const float *keys = token_kv(&ks, at[j] * D, width, row);
+        for (int64_t h = 0; h < heads; h++) scores[h * count + j] = scale * dot_f32(q + h * D, keys + (h / rep) * D, D);
     }
     for (int64_t h = 0; h < heads; h++) {
         float *sr = scores + h * count;
@@ -370,20 +378,13 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
         sum[h] = total;
     }
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
-    for (int64_t b = first / bs, p = first; p < len; b++) {
-        const int64_t end = (b + 1) * bs < len ? (b + 1) * bs : len;
-        for (; p < end; p++) {
-            const int64_t at = (table[b] * bs + p - b * bs) * kv_heads;
-            const float *values = row;
-            if (c->kind == 0) values = (const float *)c->v + at * D;
-            else load_row(&vs, at * D, width, row);
-            for (int64_t h = 0; h < heads; h++) {
-                float *o = out + h * D;
-                const float *value = values + (h / rep) * D;
-                const float w = scores[h * count + (p - first)];
+    for (int64_t j = 0; j < count; j++) {
+        const float *values = token_kv(&vs, at[j] * D, width, row);
+        for (int64_t h = 0; h < heads; h++) {
+            float *o = out + h * D;
+            const float *value = values + (h / rep) * D, w = scores[h * count + j];
 #pragma omp simd
-                for (int64_t j = 0; j < D; j++) o[j] += w * value[j];
-            }
+            for (int64_t i = 0; i < D; i++) o[i] += w * value[i];
         }
     }
 }
@@ -419,33 +420,30 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
             first = start + part * share < len ? start + part * share : len;
             last = first + share < len ? first + share : len;
         }
-        const int64_t at = (rows ? rows[i] : i) * heads * D;
-        float *o = parts > 1 ? partial + task * heads * (D + 2) : out + at;
-        float *max = parts > 1 ? o + heads * D : NULL, *sum = max ? max + heads : NULL;
-        float stats[2 * 256];
-        if (!max) {
-            if (heads > 256) { failed = 1; continue; }
-            max = stats;
-            sum = stats + heads;
-        }
-        if (first == last) { /* an empty part: contributes nothing */
-            for (int64_t h = 0; h < heads; h++) max[h] = -INFINITY, sum[h] = 0.0f;
+        const int64_t at = (rows ? rows[i] : i) * heads * D, count = last - first;
+        float *o = parts > 1 ? partial + task * heads * (D + 2) : out + at; /* a part's maxima and sums follow it */
+        if (count == 0) { /* an empty part (parts > 1): contributes nothing */
+            for (int64_t h = 0; h < heads; h++) o[heads * D + h] = -INFINITY, o[heads * D + heads + h] = 0.0f;
             continue;
         }
-        float *scores = malloc((size_t)((last - first) * heads + kv_heads * D) * sizeof(float));
-        if (!scores) {
+        /* cache rows of the positions, then scores, a converted row, and (one part) the maxima and sums */
+        int64_t *rows_at = malloc((size_t)count * sizeof(int64_t) +
+                                  (size_t)(count * heads + kv_heads * D + 2 * heads) * sizeof(float));
+        if (!rows_at) {
             failed = 1;
             continue;
         }
+        float *scores = (float *)(rows_at + count), *row = scores + count * heads;
+        float *max = parts > 1 ? o + heads * D : row + kv_heads * D, *sum = max + heads;
         attend(q + at, o, max, sum, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
-               first, last, scale, scores, scores + (last - first) * heads);
-        free(scores);
+               first, last, scale, scores, row, rows_at);
         if (parts == 1) {
             for (int64_t h = 0; h < heads; h++) {
                 const float inv = 1.0f / sum[h];
                 for (int64_t j = 0; j < D; j++) o[h * D + j] *= inv;
             }
         }
+        free(rows_at);
     }
     if (parts > 1 && !failed) {
         for (int64_t i = 0; i < n; i++) {
