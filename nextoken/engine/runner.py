@@ -105,9 +105,9 @@ class ModelRunner:
                                 KV_DTYPES[self.kv_dtype])
         self.block_size = config.block_size
         num_blocks = self._num_blocks(max_model_len)
-        # On CPU with the native kernels, decode attention reads only the slots sequences have written, and prefill
-        # gathers exactly its context: the pool needs no zero fill (torch's padded batched decode does).
-        zero_fill = not native.reads_written_slots_only(self.device, self.kv_shape.dtype, model_config.head_dim)
+        # Where the native decode attention reads this cache (CPU activations are fp32), no unwritten slot is ever
+        # read and the pool needs no zero fill (torch's padded batched decode does).
+        zero_fill = not native.attends(self.device, self.kv_shape.dtype, model_config.head_dim)
         self.kv_pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device, zero_fill=zero_fill)
         per_value = {"fp32": "4 bytes", "bf16": "2 bytes", "int8": "1 byte + a 2-byte scale per 32"}[self.kv_dtype]
         logger.info("KV cache (%s): %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %s); "

@@ -80,7 +80,8 @@ class FusedDecoder:
         """Decode-only batches of fp32 CPU rows over a cache the native attention reads, with no hooks on the blocks
         (a tracer watching them sees the modules run)."""
         block = self.model.layers[0]
-        return (meta.is_decode_only and native.attention_applies(x, kv_caches[0].k)
+        return (meta.is_decode_only and x.dtype == torch.float32
+                and native.attends(x.device, kv_caches[0].k.dtype, kv_caches[0].k.shape[-1])
                 and not (block._forward_hooks or block._forward_pre_hooks))
 
     def _cache_structs(self, kv_caches: list[KVCacheLayer]) -> ctypes.Array:

@@ -112,9 +112,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it (as stored: a
     quantized cache's rounding applies to the new tokens too)."""
     cache.write(k, v, meta.slot_mapping)
-    lib = native.library()
-    if lib is None or not native.attention_applies(q, cache.k):
-        lib = None
+    lib = native.library() if q.dtype == torch.float32 and native.attends(q.device, cache.k.dtype, q.shape[-1]) \
+        else None
+    if lib is None:
         if meta.is_decode_only and meta.num_seqs > 1:
             return _batched_decode(q, cache, meta, scale, sliding_window)
     starts = meta.query_start_loc

@@ -138,16 +138,10 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
 _KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-def attention_applies(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether decode_attention takes these queries over this cache: fp32 CPU queries; an int8 cache's scale groups
-    must tile the head (head_dim a multiple of 32)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and cache.dtype in _KV_KINDS
-            and (cache.dtype != torch.int8 or cache.shape[-1] % 32 == 0))
-
-
-def reads_written_slots_only(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether every attention read of a cache of this kind goes through decode_attention (decode rows) or an exact
-    per-sequence gather (prefill): fp32 activations on CPU with the library built."""
+def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode_attention takes fp32 queries over caches of this kind: on CPU with the library built; an int8
+    cache's scale groups must tile the head (head_dim a multiple of 32). Where it does, every attention read goes
+    through it (decode rows) or an exact per-sequence gather (prefill), so unwritten slots are never read."""
     return (device.type == "cpu" and library() is not None and kv_dtype in _KV_KINDS
             and (kv_dtype != torch.int8 or head_dim % 32 == 0))
 
