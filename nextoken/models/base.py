@@ -22,8 +22,8 @@ from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import RMSNorm
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (FLOAT_TYPES, Q4_TYPES, BlockLinear, Int8GroupHead, q4_codes, q4_weight,
-                                       q5_codes, q6_codes, q8_codes, q8_weight, regroup)
+from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
+                                       q4_codes, q4_weight, q5_codes, q8_0_codes, q6_codes, q8_codes, q8_weight, regroup)
 
 
 class CausalLM(nn.Module):
@@ -34,7 +34,7 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: nn.Embedding | BlockEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
                                                                          bias=False)
@@ -55,7 +55,10 @@ class CausalLM(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        """The fp32 head (a block embedding has none: its tied head is always the `quantized_head`)."""
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        assert not isinstance(head, BlockEmbedding), "a block-held table's head is the quantized head"
+        return head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,11 +107,19 @@ class CausalLM(nn.Module):
         decode (see ops/quant_linear.py). int4: 4-bit blocks (Q4_0, Q4_1, Q4_K) keep their codes; Q5_0, Q6_K and
         Q8_0 tensors (llama.cpp's mixes keep some so) become int8 blocks exactly; other types are requantized to
         int8, float files regrouped into 4 bits. int8: int8 blocks everywhere (Q5_0, Q6_K, Q8_0 exactly). With
-        `quantize_head`, decode rows go through `Int8GroupHead` (CPU only)."""
+        `quantize_head`, decode rows go through `Int8GroupHead` (CPU only), and a Q8_0 token table stays in its
+        blocks (`BlockEmbedding`): no fp32 copy, and a tied head rescores its candidates from the same blocks."""
         state: dict[str, torch.Tensor] = {}
         sources: dict[str, list[tuple[str, torch.Tensor]]] = {}  # projection -> (file tensor, transformed weight)
+        embedding = gguf.tensors.get("token_embd.weight")
+        if (quantize_head and embedding is not None and embedding.qtype == GGMLQuantizationType.Q8_0
+                and tuple(embedding.shape) == (self.config.vocab_size, self.config.hidden_size)
+                and self.config.hidden_size % GROUP_SIZE == 0):
+            self.embed_tokens = BlockEmbedding(*q8_0_codes(gguf.raw(embedding.name), embedding.shape))
         expected = dict(self.named_parameters())
         for param, files in self.gguf_tensor_map().items():
+            if param == "embed_tokens.weight" and isinstance(self.embed_tokens, BlockEmbedding):
+                continue
             parts = []
             for name in files:
                 info = gguf.tensors.get(name)
@@ -135,11 +146,15 @@ class CausalLM(nn.Module):
         for param, parts in sources.items():
             owner, attr, dense = self._projection(param)
             setattr(owner, attr, self._block_projection(gguf, parts, dense, quant))
-        if quantize_head and self.config.hidden_size % 32 == 0:  # int8 groups of 32 along the hidden size
-            name = "token_embd.weight" if self.lm_head is None else "output.weight"
-            info = gguf.tensors[name]
-            codes, scales = q8_codes(gguf.raw(name), info.qtype, self.head_weight)
-            self.quantized_head = Int8GroupHead(self.head_weight, codes, scales)
+        if quantize_head and self.config.hidden_size % GROUP_SIZE == 0:  # int8 groups along the hidden size
+            if self.lm_head is None and isinstance(self.embed_tokens, BlockEmbedding):
+                self.quantized_head = Int8GroupHead(self.embed_tokens.codes, self.embed_tokens.scales)
+            else:
+                name = "token_embd.weight" if self.lm_head is None else "output.weight"
+                info = gguf.tensors[name]
+                codes, scales = q8_codes(gguf.raw(name), info.qtype, self.head_weight)
+                exact = info.qtype == GGMLQuantizationType.Q8_0  # the blocks are the head's own values
+                self.quantized_head = Int8GroupHead(codes, scales, None if exact else self.head_weight)
         if quant is not None and device.type == "cpu":
             self.fused = FusedDecoder.build(self)
 
@@ -173,5 +188,8 @@ class CausalLM(nn.Module):
         """Apply the architecture's layout fix (a permutation of rows) to codes and scales read from the file: find
         it by transforming the row indices."""
         num_rows = rows_first[0].shape[0]
-        order = self.transform_tensor(name, torch.arange(num_rows, dtype=torch.float32)[:, None])[:, 0].long()
-        return tuple(t[order] for t in rows_first)
+        rows = torch.arange(num_rows, dtype=torch.float32)[:, None]
+        order = self.transform_tensor(name, rows)[:, 0]
+        if torch.equal(order, rows[:, 0]):
+            return rows_first  # no layout fix for this tensor
+        return tuple(t[order.long()] for t in rows_first)

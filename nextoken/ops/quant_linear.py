@@ -222,20 +222,26 @@ def regroup(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]): read from Q8_0 blocks (fp16 d, 32 int8 codes;
-    w = d * q) when the tensor is stored so, else quantized from `weight` (absmax / 127 per block). Scales are
-    rounded to fp16 (as the kernels keep them) before the codes are chosen."""
+    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]): read from Q8_0 blocks when the tensor is stored
+    so, else quantized from `weight` (absmax / 127 per block). Scales are rounded to fp16 (as the kernels keep
+    them) before the codes are chosen."""
     rows, cols = weight.shape
     if qtype == _Q.Q8_0 and raw is not None:
-        blocks = np.asarray(raw).reshape(rows, cols // GROUP_SIZE, 2 + GROUP_SIZE)
-        d = _half(blocks[..., 0:2])
-        codes = blocks[..., 2:].copy().view(np.int8).reshape(rows, cols)
-        return torch.from_numpy(codes), torch.from_numpy(d)
+        return q8_0_codes(raw, (rows, cols))
     groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     # Round the scale up past fp16's half step, so the largest value still fits in 127.
     scales = (groups.abs().amax(-1) / 127 * (1 + 2**-10)).to(torch.float16).float()
     codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
     return codes.to(torch.int8).reshape(rows, cols), scales
+
+
+def q8_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]) of Q8_0 blocks (fp16 d, 32 int8 codes; w = d * q)."""
+    rows, cols = shape
+    blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 2 + GROUP_SIZE)  # 2-D: numpy copies 3-D slices of
+    d = _half(blocks[:, 0:2]).reshape(rows, cols // GROUP_SIZE)                   # these far more slowly
+    codes = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
+    return torch.from_numpy(codes), torch.from_numpy(d)
 
 
 def q5_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,23 +279,60 @@ def q6_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     return (torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(scales.reshape(rows, cols // 16)))
 
 
+class BlockEmbedding(nn.Module):
+    """A token table held as the file's Q8_0 blocks (int8 codes [vocab, hidden], a scale per 32): a lookup
+    dequantizes only the rows it reads, to exactly the values an fp32 table would hold, at a quarter of its memory
+    (Gemma 3's 262k x 640 table: 176 MB instead of 671 MB). A tied LM head reads the same blocks."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = codes.shape
+        # Not in the state dict: filled from the file's blocks, not from a checkpoint.
+        self.register_buffer("codes", codes.to(torch.int8).contiguous(), persistent=False)
+        self.register_buffer("scales", scales.float().contiguous(), persistent=False)  # [vocab, hidden / 32]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the file's blocks (fp16 scales)."""
+        return self.codes.nbytes + self.scales.numel() * 2
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [...] -> fp32 rows [..., hidden]."""
+        return rows_of(self.codes, self.scales, ids)
+
+
+def rows_of(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | slice) -> torch.Tensor:
+    """fp32 rows `ids` of Q8 blocks: codes int8 [rows, cols] times scales [rows, cols / 32] (d * q, one rounding,
+    as the file's dequantization)."""
+    q, d = codes[ids], scales[ids]
+    return (q.unflatten(-1, (-1, GROUP_SIZE)).float() * d.float().unsqueeze(-1)).flatten(-2)
+
+
 class Int8GroupHead(nn.Module):
     """The LM head for decode: a cheap pass over the whole vocabulary, then the best candidates rescored exactly.
 
-    The head weight [vocab, hidden] is held as Q8 blocks (taken from the file's blocks where the head is Q8_0, else
-    quantized with absmax / 127): a quarter of fp32's bytes. Where those blocks are requantized, logits move by
-    int8 rounding of the weights, enough to swap near-tied tokens; so the `num_exact` highest logits of each row
-    are recomputed in fp32 from the float weight (which the embedding keeps anyway when tied). Greedy picks the
-    same token as the fp32 head unless the best one is not among those candidates.
+    The head weight [vocab, hidden] is held as Q8 blocks: the file's own where the head is Q8_0 (`weight` None: the
+    blocks are exact, and candidates are rescored from them), else quantized with absmax / 127, a quarter of fp32's
+    bytes. Requantized blocks move logits by int8 rounding of the weights, enough to swap near-tied tokens; so the
+    `num_exact` highest logits of each row are recomputed in fp32 from the float `weight` (which the embedding keeps
+    anyway when tied). Greedy picks the same token as the fp32 head unless the best one is not among those
+    candidates. Batches of more than `max_rows` rows take an fp32 GEMM (over dequantized slices of the vocabulary
+    where there is no float weight).
 
     Without native kernels the pass runs on torch's int4 kernel: an int8 code is two 4-bit ones, c = 16 * hi + lo
     (hi in -8..7, lo in 0..15), so it is two calls of that kernel (bf16 activations and outputs).
     """
 
-    def __init__(self, weight: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, num_exact: int = 32) -> None:
-        """weight: the fp32 head [vocab, hidden]; codes [vocab, hidden] int8 and scales [vocab, hidden / 32]."""
+    VOCAB_SLICE = 16384  # rows dequantized at a time for a large batch without a float weight
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor | None = None,
+                 num_exact: int = 32) -> None:
+        """codes [vocab, hidden] int8 and scales [vocab, hidden / 32]; weight: the fp32 head, where the blocks were
+        requantized (shared with the embedding when tied: not a parameter of this module)."""
         super().__init__()
-        self.weight = weight  # shared with the embedding when tied: not a parameter of this module
+        self.weight = weight
+        # Without a float weight, the blocks are the exact rows (kept as given: shared with a block embedding).
+        self.codes, self.scales = (codes, scales) if weight is None else (None, None)
         self.num_exact = num_exact
         self.vocab_size = codes.shape[0]
         self.lib = native.library()
@@ -298,25 +341,35 @@ class Int8GroupHead(nn.Module):
             self.blocks = q8_weight(codes, scales)
             return
         pad = -self.vocab_size % 16  # the kernel packs output rows in sixteens
-        codes = F.pad(codes.to(torch.int32), (0, 0, 0, pad))
-        scales = F.pad(scales.float(), (0, 0, 0, pad))
-        hi, lo = codes >> 4, codes & 0x0F  # arithmetic shift: hi in -8..7
-        zeros = torch.zeros_like(scales)
+        wide = F.pad(codes.to(torch.int32), (0, 0, 0, pad))
+        padded_scales = F.pad(scales.float(), (0, 0, 0, pad))
+        hi, lo = wide >> 4, wide & 0x0F  # arithmetic shift: hi in -8..7
+        zeros = torch.zeros_like(padded_scales)
         # int4 kernel: w = (c - 8) * scale + zero. hi part: codes hi + 8, scale 16 d. lo part: codes lo, scale d,
         # zero 8 d.
         self.register_buffer("hi", torch._convert_weight_to_int4pack_for_cpu(hi + 8, 1))
         self.register_buffer("lo", torch._convert_weight_to_int4pack_for_cpu(lo, 1))
-        self.register_buffer("hi_scales", _scales_zeros(16 * scales, zeros))
-        self.register_buffer("lo_scales", _scales_zeros(scales, 8 * scales))
+        self.register_buffer("hi_scales", _scales_zeros(16 * padded_scales, zeros))
+        self.register_buffer("lo_scales", _scales_zeros(padded_scales, 8 * padded_scales))
 
     @property
     def bytes_per_weight(self) -> float:
         return self.blocks.bytes_per_weight if self.lib is not None else 2 * (0.5 + 4 / GROUP_SIZE)
 
+    def exact_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 head rows `ids`: the float weight's, or the exact blocks'."""
+        return self.weight[ids] if self.weight is not None else rows_of(self.codes, self.scales, ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] fp32 -> fp32 logits [rows, vocab]."""
         if x.shape[0] > self.max_rows:
-            return F.linear(x, self.weight)
+            if self.weight is not None:
+                return F.linear(x, self.weight)
+            logits = torch.empty(x.shape[0], self.vocab_size)
+            for at in range(0, self.vocab_size, self.VOCAB_SLICE):
+                part = slice(at, min(at + self.VOCAB_SLICE, self.vocab_size))
+                logits[:, part] = x @ rows_of(self.codes, self.scales, part).t()
+            return logits
         if self.lib is not None:
             logits = torch.empty(x.shape[0], self.vocab_size)
             native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits)
@@ -326,7 +379,7 @@ class Int8GroupHead(nn.Module):
             logits += torch._weight_int4pack_mm_for_cpu(xb, self.lo, GROUP_SIZE, self.lo_scales)
             logits = logits[:, :self.vocab_size]
         candidates = logits.topk(min(self.num_exact, logits.shape[1]), dim=-1).indices  # [rows, k]
-        exact = torch.bmm(self.weight[candidates], x.unsqueeze(-1)).squeeze(-1)  # [rows, k, hidden] @ [rows, hidden]
+        exact = torch.bmm(self.exact_rows(candidates), x.unsqueeze(-1)).squeeze(-1)  # [rows, k, hidden] @ [rows, hidden]
         return logits.scatter_(1, candidates, exact)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from nextoken.ops.quant_linear import BlockLinear
+from nextoken.ops.quant_linear import BlockEmbedding, BlockLinear
 from nextoken.trace.cost import MachinePeaks, ModelCost
 from nextoken.trace.run import RunResult
 from nextoken.trace.tracer import RecordingTracer
@@ -72,9 +72,11 @@ def _giga_per_s(amount: float, seconds: float) -> float | None:
     return amount / seconds / 1e9 if seconds > 0 else None
 
 
-def _describe(weight: torch.Tensor) -> dict[str, Any]:
-    return {"shape": tuple(weight.shape), "dtype": str(weight.dtype).removeprefix("torch."),
-            "bytes": weight.nbytes}
+def _describe(table: torch.Tensor | BlockEmbedding) -> dict[str, Any]:
+    """Shape, dtype and bytes of an embedding table or head: a tensor, or the file's blocks."""
+    if isinstance(table, BlockEmbedding):
+        return {"shape": (table.num_embeddings, table.embedding_dim), "dtype": "q8_0 blocks", "bytes": table.nbytes}
+    return {"shape": tuple(table.shape), "dtype": str(table.dtype).removeprefix("torch."), "bytes": table.nbytes}
 
 
 def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
@@ -91,8 +93,10 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
         projection_bytes = projection.bytes_per_weight
     else:
         projection_bytes = projection.weight.element_size()
-    head = model.head_weight
-    head_bytes = model.quantized_head.bytes_per_weight if model.quantized_head is not None else head.element_size()
+    table = model.embed_tokens if isinstance(model.embed_tokens, BlockEmbedding) else model.embed_tokens.weight
+    head = table if model.lm_head is None else model.lm_head.weight
+    head_bytes = (model.quantized_head.bytes_per_weight if model.quantized_head is not None
+                  else head.element_size())  # type: ignore[union-attr]
     pool = engine.runner.kv_pool
     cost = ModelCost.from_config(cfg, projection_bytes=projection_bytes, head_bytes=head_bytes,
                                  kv_bytes_per_token=pool.shape.bytes_per_token)
@@ -118,7 +122,7 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
         decode_forward_s=sum(decode_s[s] for s in FORWARD_STAGES),
         kv_bytes_per_token=cost.kv_bytes_per_token, kv_pool_bytes=pool.nbytes,
         kv_block_bytes=cost.kv_bytes_per_token * engine.runner.block_size, blocks_used=tracer.max_blocks,
-        embedding={**_describe(model.embed_tokens.weight), "scale": cfg.embedding_scale},
+        embedding={**_describe(table), "scale": cfg.embedding_scale},
         lm_head={**_describe(head), "tied": model.lm_head is None,
                  "quantized": model.quantized_head is not None},
         cost=cost, peaks=peaks,
