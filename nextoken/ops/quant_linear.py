@@ -305,19 +305,20 @@ def rows_of(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor | slice
     """fp32 rows `ids` of Q8 blocks: codes int8 [rows, cols] times scales [rows, cols / 32] (d * q, one rounding,
     as the file's dequantization)."""
     q, d = codes[ids], scales[ids]
-    return (q.unflatten(-1, (-1, GROUP_SIZE)).float() * d.float().unsqueeze(-1)).flatten(-2)
+    return (q.unflatten(-1, (-1, GROUP_SIZE)) * d.unsqueeze(-1)).flatten(-2)  # int8 * fp32 scales: fp32
 
 
 class Int8GroupHead(nn.Module):
     """The LM head for decode: a cheap pass over the whole vocabulary, then the best candidates rescored exactly.
 
-    The head weight [vocab, hidden] is held as Q8 blocks: the file's own where the head is Q8_0 (`weight` None: the
-    blocks are exact, and candidates are rescored from them), else quantized with absmax / 127, a quarter of fp32's
-    bytes. Requantized blocks move logits by int8 rounding of the weights, enough to swap near-tied tokens; so the
-    `num_exact` highest logits of each row are recomputed in fp32 from the float `weight` (which the embedding keeps
-    anyway when tied). Greedy picks the same token as the fp32 head unless the best one is not among those
-    candidates. Batches of more than `max_rows` rows take an fp32 GEMM (over dequantized slices of the vocabulary
-    where there is no float weight).
+    The head weight [vocab, hidden] is held as Q8 blocks: the file's own where the head is Q8_0 (`weight` None: on
+    the native kernel the pass is then as exact as the projections, within 2e-5 of fp32 over those blocks), else
+    quantized with absmax / 127, a quarter of fp32's bytes. Requantized blocks move logits by int8 rounding of the
+    weights, enough to swap near-tied tokens; so the `num_exact` highest logits of each row are recomputed in fp32
+    from the float `weight` (which the embedding keeps anyway when tied), as they are after torch's bf16 pass.
+    Greedy picks the same token as the fp32 head unless the best one is not among those candidates. Batches of more
+    than `max_rows` rows take an fp32 GEMM (over dequantized slices of the vocabulary where there is no float
+    weight).
 
     Without native kernels the pass runs on torch's int4 kernel: an int8 code is two 4-bit ones, c = 16 * hi + lo
     (hi in -8..7, lo in 0..15), so it is two calls of that kernel (bf16 activations and outputs).
@@ -373,6 +374,8 @@ class Int8GroupHead(nn.Module):
         if self.lib is not None:
             logits = torch.empty(x.shape[0], self.vocab_size)
             native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits)
+            if self.weight is None:  # the file's own blocks: already within 2e-5 of fp32 over them, as projections
+                return logits
         else:
             xb = x.to(torch.bfloat16)
             logits = torch._weight_int4pack_mm_for_cpu(xb, self.hi, GROUP_SIZE, self.hi_scales).float()

@@ -1,6 +1,6 @@
 """Block-quantized weights through the decode path (one row per forward pass: the fused native step), teacher-forced
 against the reference: top-1 agreement and the mean KL from our fp32, reported and bounded. The LM head is the int8
-one with its best candidates rescored in fp32, as the CPU default runs it.
+one as the CPU default runs it: both files' heads are Q8_0, whose blocks it reads as they are.
 
 int4 keeps the file's blocks (SmolLM2's Q4_1; Gemma's Q4_K, Q5_0, Q6_K, Q8_0), so its weights are the fp32 model's
 and only the kernels' int16 activation blocks differ: its bar is near-exact (measured 100%, KL 6e-8 / 2e-6; int8

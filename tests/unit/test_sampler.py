@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
-from nextoken.engine.sampler import Sampler, SamplingRow, filter_logits
+from nextoken.engine.sampler import Sampler, SamplingRow, argmax, filter_logits
 from nextoken.errors import InvalidSamplingParams
 from nextoken.sampling_params import SamplingParams
 
@@ -81,6 +81,17 @@ def test_greedy_is_argmax_and_seeds_repeat() -> None:
 
     assert draw(5) == draw(5)
     assert draw(5) != draw(6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_takes_the_first_best_as_torch_does(dtype: torch.dtype) -> None:
+    """Ties go to the first, a NaN wins (as torch's argmax has it), strided rows work, bf16 rows stay in torch."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(1)).to(dtype)
+    logits[1, [7, 200]] = 10.0  # a tie
+    logits[2, 150] = float("nan")
+    logits[3, :] = -float("inf")
+    for rows in (logits, logits[:, ::3], logits[::2]):
+        assert argmax(rows) == rows.argmax(-1).tolist()
 
 
 def test_repetition_penalty_lowers_seen_tokens() -> None:
