@@ -6,6 +6,11 @@ does any work, which is most of the step. `FusedDecoder` hands the whole stack o
 model has them, rotary embedding, the K/V write into the paged cache, attention over each sequence's blocks, the
 output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
 
+Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
+`NATIVE_MAX_ROWS` + 1 rows on they are bound by compute, where torch's fp32 GEMM over each projection's dense copy is
+faster: the kernel calls back into Python for those products (one call per projection, outside its parallel regions),
+and everything between them stays in the one native call.
+
 It is only a faster route through the same model: the modules stay the definition (prefill, GPUs and traced runs
 use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies
 when every projection is block-quantized on the native kernels.
@@ -65,6 +70,13 @@ class FusedDecoder:
                 _norm(attn.q_norm), _norm(attn.k_norm), *matrices))
         self.layers = (native.Layer * len(layers))(*layers)
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
+        # Dense fp32 weights per block, in the kernel's order of projections (0 qkv, 1 o, 2 gate_up, 3 down).
+        self.dense = [[m.weight for m in (b.attn.qkv_proj, b.attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
+                      for b in model.layers]
+        self._scratch = torch.empty(0)
+        self._gemm_error: BaseException | None = None
+        self._gemm_fn = native.GemmFn(self._gemm)  # referenced here: the kernel holds only its address
+        self.gemm = native.Gemm(self._gemm_fn, NATIVE_MAX_ROWS + 1)
 
     @classmethod
     def build(cls, model: CausalLM) -> FusedDecoder | None:
@@ -94,6 +106,20 @@ class FusedDecoder:
             self._caches = (tuple(kv_caches), (native.Cache * len(structs))(*structs))
         return self._caches[1]
 
+    def _gemm(self, layer: int, which: int, x: int, rows: int, k: int, out: int, n: int) -> int:
+        """The kernel's dense products: x and out point into the scratch buffer (see nt_gemm_fn)."""
+        try:
+            base, size = self._scratch.data_ptr(), self._scratch.numel()
+            at_x, at_out = (x - base) // 4, (out - base) // 4
+            if not (0 <= at_x and at_x + rows * k <= size and 0 <= at_out and at_out + rows * n <= size):
+                raise RuntimeError("dense product outside the scratch buffer")
+            torch.mm(self._scratch[at_x:at_x + rows * k].view(rows, k), self.dense[layer][which].t(),
+                     out=self._scratch[at_out:at_out + rows * n].view(rows, n))
+            return 0
+        except BaseException as exc:  # an exception cannot cross the C frames: kept, and raised after the call
+            self._gemm_error = exc
+            return 1
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [num_seqs, hidden] (one new token per sequence) -> the residual stream after the last block."""
@@ -104,11 +130,16 @@ class FusedDecoder:
         _, seq_lens, _ = meta.single_queries()
         x = x.contiguous()
         caches, rope_tables = self._cache_structs(kv_caches), (ctypes.c_void_p * len(tables))(*tables)
-        # Sequences are independent here: larger batches go in chunks of the rows the block kernels are fastest
-        # at (SmolLM2 on 2 AVX2 cores: 4.4 ms per token at 16 or 32 rows, 5.0 at 64 in one call).
+        need = native.decode_scratch(self.lib, self.layers, x.shape[0])
+        if self._scratch.numel() < need:  # kept between steps: a fresh buffer each step would fault its pages in
+            self._scratch = torch.empty(need)
+        self._gemm_error = None
         with torch.profiler.record_function("nextoken::decode_layers"):  # named in profiles (benchmarks/)
-            for start in range(0, x.shape[0], NATIVE_MAX_ROWS):
-                rows = slice(start, start + NATIVE_MAX_ROWS)
-                native.decode_layers(self.lib, x[rows], positions[rows], meta.slot_mapping[rows], seq_lens[rows],
-                                     meta.block_tables[rows], self.layers, caches, rope_tables)
+            try:
+                native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
+                                     self.layers, caches, rope_tables, self._scratch, self.gemm)
+            except RuntimeError:
+                if self._gemm_error is not None:
+                    raise self._gemm_error from None
+                raise
         return x

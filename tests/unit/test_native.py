@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import Q4, Q8, Q8_HALVES, q4_weight, q8_codes, q8_weight, regroup
+from nextoken.ops.quant_linear import Q4, Q8, Q8_HALVES, BlockLinear, q4_weight, q8_codes, q8_weight, regroup
 
 PORTABLE_FLAGS = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx2", "-mno-fma", "-mno-f16c"]
 
@@ -61,6 +62,28 @@ def test_portable_build_agrees_with_the_vectorized_one(lib: ctypes.CDLL, portabl
         torch.testing.assert_close(stream, x + residual)  # the residual stream is updated in place
 
 
+@pytest.mark.parametrize("build", ["vectorized", "portable"])
+def test_gated_activations_match_torch(build: str, lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
+    """The MLP's act(gate) * up, silu and tanh-gelu, over the whole float range: within 1e-5 of the formula in
+    float64 (the vectorized exp is a polynomial), within fp32 rounding of torch's modules, NaN carried through."""
+    kernels = lib if build == "vectorized" else portable
+    gen = torch.Generator().manual_seed(2)
+    gate = torch.cat([torch.randn(997, generator=gen) * 4, torch.linspace(-120, 120, 2001),
+                      torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.5, -88.5, 89.0, -89.0])])
+    up = torch.randn(gate.shape, generator=gen)
+    g = gate.double()
+    for activation, module in ((0, F.silu), (1, lambda x: F.gelu(x, approximate="tanh"))):
+        z = g if activation == 0 else 2 * math.sqrt(2 / math.pi) * (g + 0.044715 * g**3)  # gelu = x sigmoid(z)
+        exact = g * torch.sigmoid(z) * up.double()
+        got = native.gated(kernels, activation, gate, up)
+        normal = exact.abs() > 1e-30  # beyond: underflow, where any tiny value is as good
+        assert ((got.double() - exact).abs() <= 1e-5 * exact.abs())[normal].all()
+        assert (got.abs() <= 1e-30)[~normal].all()
+        # torch's tanh form rounds 1 + tanh(t) to 0 sooner: the two agree to fp32 rounding of the inputs' scale.
+        torch.testing.assert_close(got, module(gate) * up, rtol=1e-5, atol=1e-6)
+        assert native.gated(kernels, activation, torch.tensor([float("nan")] * 9), torch.ones(9)).isnan().all()
+
+
 def test_rms_norm_over_heads(lib: ctypes.CDLL) -> None:
     x, w = torch.randn(2, 3, 32), torch.rand(32)
     torch.testing.assert_close(native.rms_norm(lib, x, w, 1e-6), F.rms_norm(x, (32,), w, 1e-6))
@@ -96,15 +119,28 @@ def decode_step(net: torch.nn.Module, cfg: ModelConfig, pool: KVPool, tokens: li
     return net(torch.tensor(tokens), torch.tensor(lengths), pool.layers, meta)
 
 
+@pytest.mark.parametrize("products", ["blocks", "gemm"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 @torch.inference_mode()
-def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, tiny_llama: Path, tiny_gemma: Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: str, tiny_llama: Path,
+                                          tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """products "gemm": the fused step hands its products to torch's GEMM over the dense weights, as it does for
+    batches of more than NATIVE_MAX_ROWS rows (here from one row on); the modules then take the dense weights too
+    (the tiny files are float, so their 4-bit blocks are a requantization, not the same weights)."""
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
     net = load_model(gguf, cfg, quant="int4", quantize_head=True)
     assert net.fused is not None
+    gemms = []
+    if products == "gemm":
+        net.fused.gemm.min_rows = 1
+        real_gemm = net.fused._gemm
+        net.fused._gemm_fn = native.GemmFn(lambda *args: gemms.append(args[:2]) or real_gemm(*args))
+        net.fused.gemm.fn = net.fused._gemm_fn
+        for module in net.modules():
+            if isinstance(module, BlockLinear):
+                module.max_rows = 0
     runs = []
     real = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *args: runs.append(1) or real(self, *args))
@@ -143,6 +179,21 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, tiny_llama: 
         lengths = [length + 1 for length in lengths]
     # An int8 cache needs heads of a multiple of 32 values natively (tiny Llama's are 16): the modules run it.
     assert len(runs) == (0 if kv_dtype == "int8" and cfg.head_dim % 32 else 3)
+    if products == "gemm":  # every product of every block of every fused step, in the kernel's order
+        assert gemms == [(layer, which) for _ in runs for layer in range(cfg.num_layers) for which in range(4)]
+
+
+@torch.inference_mode()
+def test_a_failing_dense_product_is_raised_after_the_fused_call(tiny_llama: Path) -> None:
+    gguf = read_gguf(tiny_llama)
+    cfg = ModelConfig.from_gguf(gguf)
+    net = load_model(gguf, cfg, quant="int4", quantize_head=True)
+    net.fused.gemm.min_rows = 1
+    net.fused.dense[1][2] = torch.empty(3, 5)  # block 1's gate_up: the wrong shape
+    pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32), 4, BLOCK,
+                  torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="size|shape"):
+        decode_step(net, cfg, pool, [5], [0])
 
 
 def test_fused_decode_follows_a_new_pool(tiny_llama: Path) -> None:

@@ -3,8 +3,9 @@
 torch's CPU ops cost microseconds each before doing any work, and a decode step is thousands of small ops; its
 int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth on AVX2. These kernels do what a
 decode step needs in single calls: block-quantized matrix products (Q4 and int8 weights, activations quantized to
-int16 blocks on the fly), RMSNorm fused with the residual add, paged decode attention, and every decoder block of
-a decode step at once (`decode_layers`, used by models/fused.py).
+int16 blocks on the fly), RMSNorm fused with the residual add, paged decode attention, gated activations, and every
+decoder block of a decode step at once (`decode_layers`, used by models/fused.py; it can hand its larger products
+back to a caller's GEMM).
 
 The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
 a cache directory keyed by the source and the CPU ($NEXTOKEN_CACHE, default ~/.cache/nextoken). It links the OpenMP
@@ -124,6 +125,21 @@ def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor,
         raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
 
 
+_SIGNATURES["nt_gated"] = (None, [_i64, _ptr, _ptr, _ptr, _i64])
+
+
+def gated(lib: ctypes.CDLL, activation: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for contiguous fp32 tensors of one shape: silu (0) or gelu with tanh (1)."""
+    gate, up = gate.contiguous(), up.contiguous()
+    _check(gate)
+    _check(up)
+    if gate.shape != up.shape:
+        raise ValueError(f"gated: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    out = torch.empty_like(gate)
+    lib.nt_gated(activation, gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out
+
+
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension of contiguous fp32 x [..., K]; with `residual` (x's shape), x += residual
@@ -197,7 +213,19 @@ class Cache(ctypes.Structure):
                 ("block_size", _i64)]
 
 
-_SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _i32])
+# out [M, N] = x [M, K] @ W^T for projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of block `layer`; 0 on success.
+GemmFn = ctypes.CFUNCTYPE(_i32, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64)
+
+
+class Gemm(ctypes.Structure):
+    """Where nt_decode_layers sends products of at least `min_rows` rows (nt_gemm); a null `fn`: nowhere."""
+
+    _fields_ = [("fn", GemmFn), ("min_rows", _i64)]
+
+
+_SIGNATURES["nt_decode_scratch"] = (_i64, [_ptr, _i64, _i64])
+_SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
+                                          _ptr, _i32])
 
 
 def cache_struct(k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
@@ -206,14 +234,22 @@ def cache_struct(k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None
                  None if v_scales is None else v_scales.data_ptr(), _KV_KINDS[k.dtype], k.shape[1])
 
 
+def decode_scratch(lib: ctypes.CDLL, layers: ctypes.Array, rows: int) -> int:
+    """Floats of scratch `decode_layers` needs for `rows` tokens."""
+    return int(lib.nt_decode_scratch(ctypes.addressof(layers), len(layers), rows))
+
+
 def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
-                  rope_tables: ctypes.Array) -> None:
-    """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers)."""
+                  rope_tables: ctypes.Array, scratch: torch.Tensor, gemm: Gemm) -> None:
+    """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers);
+    scratch: fp32 of at least `decode_scratch` elements."""
     positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
+    if scratch.dtype != torch.float32 or scratch.numel() < decode_scratch(lib, layers, x.shape[0]):
+        raise ValueError("decode_layers: scratch is not fp32 or too small")
     status = lib.nt_decode_layers(x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
                                   seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), ctypes.addressof(layers),
                                   ctypes.addressof(caches), len(layers), ctypes.addressof(rope_tables),
-                                  torch.get_num_threads())
+                                  scratch.data_ptr(), ctypes.byref(gemm), torch.get_num_threads())
     if status:
-        raise MemoryError("decode_layers: out of memory")
+        raise RuntimeError("decode_layers: out of memory, or a dense product failed")

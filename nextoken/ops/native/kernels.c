@@ -62,7 +62,8 @@ static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, floa
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float max = 0.0f;
-        for (int i = 0; i < QK; i++) max = fmaxf(max, fabsf(xb[i]));
+#pragma omp simd reduction(max : max)
+        for (int i = 0; i < QK; i++) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max; /* fmaxf is a libm call here */
         const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
@@ -100,6 +101,30 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* e^x for 8 lanes, within 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, then
+ * 2^n through the exponent bits). Inputs are clamped to +-88.37 (beyond, e^x is 0 or overflows anyway); NaN stays
+ * NaN. */
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* 2^n in two factors, so that n = 128 (x near 88.7) still has an exponent field */
+    const __m256i e = _mm256_cvtps_epi32(n);
+    const __m256i half = _mm256_srai_epi32(e, 1);
+    const __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 b = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(e, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, a), b);
+}
 #endif
 
 /* ------------------------------------------------------------ block scales */
@@ -351,6 +376,89 @@ static inline const float *token_kv(const kv_store *s, int64_t at, int64_t width
     return row;
 }
 
+#ifdef NT_AVX2
+/* The 8 dot products q . k[i][0:D] (D a multiple of 8) as one vector: 8 accumulators, reduced together. */
+static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+    }
+    /* pairwise sums: u0 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], u1 the same for a4..a7 */
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* attend() for head sizes that are a multiple of 8, eight positions at a time: their keys (or values) as fp32
+ * pointers (converted into `row`, 8 x width floats, for narrow caches), scores of a head for all eight at once,
+ * the softmax's exponentials 8 lanes at a time, and each head's output accumulated in registers over the eight. */
+static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, const kv_store *ks,
+                    const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count, float scale,
+                    float *scores, float *row, const int64_t *at) {
+    const float *rows[8], *heads_at[8];
+    for (int64_t j0 = 0; j0 < count; j0 += 8) {
+        const int64_t nb = count - j0 < 8 ? count - j0 : 8;
+        for (int64_t i = 0; i < 8; i++) rows[i] = token_kv(ks, at[j0 + (i < nb ? i : 0)] * D, width, row + i * width);
+        for (int64_t h = 0; h < heads; h++) {
+            for (int i = 0; i < 8; i++) heads_at[i] = rows[i] + (h / rep) * D;
+            float s[8];
+            _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(scale), dots8(q + h * D, heads_at, D)));
+            memcpy(scores + h * count + j0, s, (size_t)nb * sizeof(float));
+        }
+    }
+    for (int64_t h = 0; h < heads; h++) {
+        float *sr = scores + h * count;
+        float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < count; j++) m = sr[j] > m ? sr[j] : m;
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 tv = _mm256_setzero_ps();
+        int64_t j = 0;
+        for (; j + 8 <= count; j += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+            _mm256_storeu_ps(sr + j, e);
+            tv = _mm256_add_ps(tv, e);
+        }
+        total = hsum_ps(tv);
+        for (; j < count; j++) {
+            sr[j] = expf(sr[j] - m);
+            total += sr[j];
+        }
+        max[h] = m;
+        sum[h] = total;
+    }
+    memset(out, 0, (size_t)(heads * D) * sizeof(float));
+    for (int64_t j0 = 0; j0 < count; j0 += 8) {
+        const int64_t nb = count - j0 < 8 ? count - j0 : 8;
+        for (int64_t i = 0; i < nb; i++) rows[i] = token_kv(vs, at[j0 + i] * D, width, row + i * width);
+        for (int64_t h = 0; h < heads; h++) {
+            const float *w = scores + h * count + j0;
+            const int64_t off = (h / rep) * D;
+            float *o = out + h * D;
+            for (int64_t d = 0; d < D; d += 64) { /* up to 8 registers of the output at a time */
+                const int64_t nv = (D - d) / 8 < 8 ? (D - d) / 8 : 8;
+                __m256 acc[8];
+                for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(o + d + 8 * v);
+                for (int64_t i = 0; i < nb; i++) {
+                    const __m256 wi = _mm256_set1_ps(w[i]);
+                    const float *value = rows[i] + off + d;
+                    for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 8 * v), acc[v]);
+                }
+                for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(o + d + 8 * v, acc[v]);
+            }
+        }
+    }
+}
+#endif
+
 /* Attention of all query heads [heads, D] of one token over positions [first, len) of a sequence whose blocks are
  * `table`: query head h reads kv head h / (heads / kv_heads). Positions are visited once, all kv heads of a token
  * together (they are neighbours in the cache). Leaves out[h] = sum_p exp(s_p - max[h]) v_p unnormalized, with
@@ -362,6 +470,12 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
     const int64_t count = len - first, rep = heads / kv_heads, width = kv_heads * D;
     const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
     cache_rows(table, c->block_size, kv_heads, first, len, at);
+#ifdef NT_AVX2
+    if (D % 8 == 0) {
+        attend8(q, out, max, sum, heads, &ks, &vs, rep, D, width, count, scale, scores, row, at);
+        return;
+    }
+#endif
     for (int64_t j = 0; j < count; j++) {
         const float *keys = token_kv(&ks, at[j] * D, width, row);
         for (int64_t h = 0; h < heads; h++) scores[h * count + j] = scale * dot_f32(q + h * D, keys + (h / rep) * D, D);
@@ -369,7 +483,8 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
     for (int64_t h = 0; h < heads; h++) {
         float *sr = scores + h * count;
         float m = -INFINITY, total = 0.0f;
-        for (int64_t j = 0; j < count; j++) m = fmaxf(m, sr[j]);
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < count; j++) m = sr[j] > m ? sr[j] : m;
         for (int64_t j = 0; j < count; j++) {
             sr[j] = expf(sr[j] - m);
             total += sr[j];
@@ -428,13 +543,13 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
         }
         /* cache rows of the positions, then scores, a converted row, and (one part) the maxima and sums */
         int64_t *rows_at = malloc((size_t)count * sizeof(int64_t) +
-                                  (size_t)(count * heads + kv_heads * D + 2 * heads) * sizeof(float));
+                                  (size_t)(count * heads + 8 * kv_heads * D + 2 * heads) * sizeof(float));
         if (!rows_at) {
             failed = 1;
             continue;
         }
         float *scores = (float *)(rows_at + count), *row = scores + count * heads;
-        float *max = parts > 1 ? o + heads * D : row + kv_heads * D, *sum = max + heads;
+        float *max = parts > 1 ? o + heads * D : row + 8 * kv_heads * D, *sum = max + heads;
         attend(q + at, o, max, sum, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
                first, last, scale, scores, row, rows_at);
         if (parts == 1) {
@@ -525,7 +640,8 @@ static void store_row(void *data, uint16_t *scales, int64_t kind, int64_t at, co
         int8_t *dst = (int8_t *)data + at;
         for (int64_t g = 0; g < n / QK; g++) {
             float max = 0.0f;
-            for (int i = 0; i < QK; i++) max = fmaxf(max, fabsf(src[g * QK + i]));
+#pragma omp simd reduction(max : max)
+            for (int i = 0; i < QK; i++) max = fabsf(src[g * QK + i]) > max ? fabsf(src[g * QK + i]) : max;
             const uint16_t h = float_to_half(max / 127.0f);
             const float d = half_to_float(h), inv = d > 0 ? 1.0f / d : 0.0f;
             scales[at / QK + g] = h;
@@ -560,7 +676,20 @@ typedef struct {
     nt_matrix qkv, o, gate_up, down;
 } nt_layer;
 
-static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads) {
+/* A dense product supplied by the caller: out [M, N] = x [M, K] @ W^T for projection `which` (0 qkv, 1 o, 2 gate_up,
+ * 3 down) of decoder block `layer`, over the caller's fp32 copy of the weight. Returns 0 on success. For batches
+ * where an fp32 GEMM library beats the block kernels (compute-bound rows), it is called from the calling thread,
+ * outside any parallel region. */
+typedef int (*nt_gemm_fn)(int64_t layer, int64_t which, const float *x, int64_t M, int64_t K, float *out, int64_t N);
+
+typedef struct {
+    nt_gemm_fn fn; /* null: always the block kernels */
+    int64_t min_rows; /* the callback takes products of at least this many rows */
+} nt_gemm;
+
+static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, const nt_gemm *gemm,
+                  int64_t layer, int64_t which) {
+    if (gemm->fn && M >= gemm->min_rows) return gemm->fn(layer, which, x, M, w->parts[0].k, out, w->n) ? -1 : 0;
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];
@@ -583,26 +712,64 @@ static void rope(float *x, int64_t heads, int64_t D, const nt_layer *L, const fl
     }
 }
 
+/* 0.5 x (1 + tanh(t)), t = sqrt(2 / pi) (x + 0.044715 x^3), written as x / (1 + e^-2t): the same function, without
+ * the cancellation of 1 + tanh(t) where tanh(t) is near -1. */
 static inline float gelu_tanh(float x) {
-    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+    return x / (1.0f + expf(-2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-/* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
- * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
- * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]. Returns 0, or -1 when
- * memory runs out or a size is unsupported. */
-int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
-                     const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
-                     int64_t num_layers, const float *const *rope_tables, int threads) {
+
+/* a[i] = act(g[i]) * u[i] over n values: silu (0) or gelu with tanh (1), as the torch modules compute them. */
+void nt_gated(int64_t activation, const float *g, const float *u, float *a, int64_t n) {
+    int64_t i = 0;
+#ifdef NT_AVX2
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(g + i), up = _mm256_loadu_ps(u + i);
+        /* silu: x / (1 + e^-x). gelu: 0.5 x (1 + tanh(t)) = x / (1 + e^-2t), the same form (no cancellation where
+         * tanh(t) is near -1). */
+        __m256 z = x;
+        if (activation == 1) {
+            const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            z = _mm256_mul_ps(_mm256_set1_ps(2 * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+        }
+        const __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+        _mm256_storeu_ps(a + i, _mm256_mul_ps(y, up));
+    }
+#endif
+    for (; i < n; i++) a[i] = (activation == 0 ? g[i] / (1.0f + expf(-g[i])) : gelu_tanh(g[i])) * u[i];
+}
+
+/* nt_rms_norm over M rows, the rows split across threads. */
+static void norm_rows(float *x, const float *residual, const float *w, float *out, int64_t M, int64_t K, float eps,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+    for (int64_t r = 0; r < M; r++)
+        nt_rms_norm(x + r * K, residual ? residual + r * K : NULL, w, out + r * K, 1, K, eps);
+}
+
+/* Floats of scratch that nt_decode_layers needs for M tokens: four buffers of M rows of the widest activation. */
+int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M) {
     int64_t widest = 0;
     for (int64_t l = 0; l < num_layers; l++) {
         const nt_layer *L = &layers[l];
         const int64_t sizes[] = {L->hidden, L->qkv.n, L->heads * L->head_dim, L->gate_up.n};
         for (int i = 0; i < 4; i++) widest = sizes[i] > widest ? sizes[i] : widest;
     }
-    float *h = malloc((size_t)(4 * M * widest) * sizeof(float));
-    if (!h) return -1;
-    float *big = h + M * widest, *att = big + M * widest, *tmp = att + M * widest;
+    return 4 * M * widest;
+}
+
+/* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
+ * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
+ * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least
+ * nt_decode_scratch() floats; gemm: where larger products go to the caller's dense GEMM. Returns 0, or -1 when a
+ * size is unsupported or a product fails. */
+int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
+                     const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
+                     int64_t num_layers, const float *const *rope_tables, float *scratch, const nt_gemm *gemm,
+                     int threads) {
+    const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
+    float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
     int status = 0;
     for (int64_t l = 0; l < num_layers && !status; l++) {
         const nt_layer *L = &layers[l];
@@ -610,8 +777,9 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         const int64_t H = L->heads, KVH = L->kv_heads, D = L->head_dim, hid = L->hidden;
         const int64_t qkv_n = L->qkv.n;
         /* attention */
-        nt_rms_norm(x, NULL, L->attn_in_norm, h, M, hid, L->eps);
-        status |= matmul(&L->qkv, h, M, big, threads);
+        norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
+        status |= matmul(&L->qkv, h, M, big, threads, gemm, l, 0);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
             float *row = big + t * qkv_n; /* q heads, k heads, v heads */
             if (L->q_norm) nt_rms_norm(row, NULL, L->q_norm, row, H, D, L->eps);
@@ -627,25 +795,19 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         }
         status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
                                    L->window, threads);
-        status |= matmul(&L->o, tmp, M, h, threads);
-        if (L->attn_out_norm) nt_rms_norm(h, NULL, L->attn_out_norm, h, M, hid, L->eps);
+        status |= matmul(&L->o, tmp, M, h, threads, gemm, l, 1);
+        if (L->attn_out_norm) norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
-        nt_rms_norm(x, h, L->mlp_in_norm, h, M, hid, L->eps);
-        status |= matmul(&L->gate_up, h, M, big, threads);
+        norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
+        status |= matmul(&L->gate_up, h, M, big, threads, gemm, l, 2);
         const int64_t F = L->ffn;
-        for (int64_t t = 0; t < M; t++) {
-            const float *g = big + t * 2 * F, *u = g + F;
-            float *a = att + t * F;
-            if (L->activation == 0) {
-                for (int64_t i = 0; i < F; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-            } else {
-                for (int64_t i = 0; i < F; i++) a[i] = gelu_tanh(g[i]) * u[i];
-            }
-        }
-        status |= matmul(&L->down, att, M, h, threads);
-        if (L->mlp_out_norm) nt_rms_norm(h, NULL, L->mlp_out_norm, h, M, hid, L->eps);
-        for (int64_t i = 0; i < M * hid; i++) x[i] += h[i];
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+        for (int64_t t = 0; t < M; t++) nt_gated(L->activation, big + t * 2 * F, big + t * 2 * F + F, att + t * F, F);
+        status |= matmul(&L->down, att, M, h, threads, gemm, l, 3);
+        if (L->mlp_out_norm) norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+        for (int64_t t = 0; t < M; t++)
+            for (int64_t i = 0; i < hid; i++) x[t * hid + i] += h[t * hid + i];
     }
-    free(h);
     return status ? -1 : 0;
 }
