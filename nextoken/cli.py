@@ -42,14 +42,17 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="KV cache storage; int8 keeps a scale per 32 values (3.8x the tokens of fp32 in the same "
                         "memory); auto: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--lm-head", default="auto", choices=["auto", "fp32", "int8"],
-                   help="decode's LM head; int8: a quarter of the bytes, its 32 best candidates recomputed in fp32; "
-                        "auto: int8 on CPU unless --weights/--dtype ask for float weights")
+                   help="decode's LM head; int8: a quarter of the bytes (the file's Q8_0 blocks as they are, or "
+                        "requantized with its 32 best candidates recomputed in fp32); auto: int8 on CPU unless "
+                        "--weights/--dtype ask for float weights")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps op by op instead of replaying CUDA graphs")
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, str]:
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "weights": args.weights, "kv_dtype": args.kv_dtype, "lm_head": args.lm_head,
-            "device": args.device}
+            "device": args.device, "cuda_graphs": not args.enforce_eager}
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:

@@ -52,6 +52,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_waiting: int = 1024  # queued requests beyond which add_request refuses
+    cuda_graphs: bool = True  # on CUDA, replay pure decode steps from CUDA graphs (engine/graphs.py)
 
     def __post_init__(self) -> None:
         from nextoken.errors import NextokenError

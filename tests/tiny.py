@@ -59,7 +59,10 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
 
 
 def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None,
-                     drop: tuple[str, ...] = (), num_layers: int | None = None) -> Path:
+                     drop: tuple[str, ...] = (), num_layers: int | None = None,
+                     shape: dict[str, int] | None = None) -> Path:
+    """`shape` gives a model of real size with random weights (for speed, not answers): any of hidden, ffn, heads,
+    kv_heads, head_dim, layers, context, and vocab (the vocabulary padded with plain tokens up to that size)."""
     rng = np.random.default_rng(seed)
     overrides = overrides or {}
     hidden, ffn = 64, 128
@@ -67,10 +70,14 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
         num_heads, num_kv_heads, head_dim, layers = 2, 1, 32, num_layers or 6
     else:
         num_heads, num_kv_heads, head_dim, layers = 4, 2, 16, num_layers or 2
+    shape = shape or {}
+    hidden, ffn = shape.get("hidden", hidden), shape.get("ffn", ffn)
+    num_heads, num_kv_heads = shape.get("heads", num_heads), shape.get("kv_heads", num_kv_heads)
+    head_dim, layers = shape.get("head_dim", head_dim), shape.get("layers", layers)
     w = gguf.GGUFWriter(str(path), arch)
     md: dict[str, Any] = {
         f"{arch}.block_count": ("uint32", layers),
-        f"{arch}.context_length": ("uint32", 256),
+        f"{arch}.context_length": ("uint32", shape.get("context", 256)),
         f"{arch}.embedding_length": ("uint32", hidden),
         f"{arch}.feed_forward_length": ("uint32", ffn),
         f"{arch}.attention.head_count": ("uint32", num_heads),
@@ -114,6 +121,15 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
                                                   "{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}"
                                                   "{% endif %}"),
         })
+    if len(tokens) < shape.get("vocab", 0):
+        extra = shape["vocab"] - len(tokens)
+        tokens = tokens + [f"<plain{i}>" for i in range(extra)]  # never built by a merge: plain, unused tokens
+        types = list(types) + [1] * extra
+        if arch == "gemma3":
+            scores = list(scores) + [-1000.0] * extra
+            md["tokenizer.ggml.scores"] = ("float32s", scores)
+        md["tokenizer.ggml.tokens"] = ("strings", tokens)
+        md["tokenizer.ggml.token_type"] = ("int32s", types)
     vocab = len(tokens)
     for key, value in overrides.items():
         md[key] = value

@@ -67,7 +67,7 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or self.model_config.context_length,
                                  self.model_config.context_length)
         self.runner = ModelRunner(gguf, self.model_config, config, self.max_model_len)
-        self.block_manager = BlockManager(self.runner.kv_pool.num_blocks, config.block_size,
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)

@@ -1,7 +1,8 @@
 """The model runner owns the model and the KV pool and turns a schedule into logits.
 
 It picks the device and dtype (CUDA and bf16 when a GPU is present, else CPU and fp32), sizes the KV pool from the
-engine's byte budget, and runs one forward pass per step under inference mode.
+engine's byte budget, and runs one forward pass per step under inference mode: on CUDA, pure decode steps replay
+CUDA graphs (engine/graphs.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
 from nextoken.engine.batch import ForwardBatch
+from nextoken.engine.graphs import DecodeGraphs
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import GGUFFile
@@ -104,11 +106,17 @@ class ModelRunner:
         self.kv_shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                                 KV_DTYPES[self.kv_dtype])
         self.block_size = config.block_size
-        num_blocks = self._num_blocks(max_model_len)
+        # Blocks for requests; with CUDA graphs one more, after them, where padding rows write (engine/graphs.py).
+        self.num_blocks = num_blocks = self._num_blocks(max_model_len)
+        use_graphs = self.device.type == "cuda" and config.cuda_graphs
         # Where the native decode attention reads this cache (CPU activations are fp32), no unwritten slot is ever
         # read and the pool needs no zero fill (torch's padded batched decode does).
         zero_fill = not native.attends(self.device, self.kv_shape.dtype, model_config.head_dim)
-        self.kv_pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device, zero_fill=zero_fill)
+        self.kv_pool = KVPool(self.kv_shape, num_blocks + int(use_graphs), self.block_size, self.device,
+                              zero_fill=zero_fill)
+        self.graphs = DecodeGraphs(self.model, self.kv_pool.layers, self.block_size, pad_block=num_blocks,
+                                   max_blocks=-(-max_model_len // self.block_size), max_rows=config.max_num_seqs,
+                                   max_model_len=max_model_len, device=self.device) if use_graphs else None
         per_value = {"fp32": "4 bytes", "bf16": "2 bytes", "int8": "1 byte + a 2-byte scale per 32"}[self.kv_dtype]
         logger.info("KV cache (%s): %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %s); "
                     "%d blocks of %d tokens = %d tokens, %.1f MiB", self.kv_dtype, self.kv_shape.bytes_per_token,
@@ -137,8 +145,10 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
         """Run one forward pass over the scheduled chunks -> (the batch, fp32 logits [num_logits, vocab])."""
         batch = ForwardBatch.build(scheduled, self.block_size, self.device)
-        logits = self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
-                            batch.logits_indices)
+        logits = self.graphs.run(batch) if self.graphs is not None else None
+        if logits is None:
+            logits = self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
+                                batch.logits_indices)
         return batch, logits
 
     @torch.inference_mode()

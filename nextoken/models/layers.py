@@ -108,7 +108,10 @@ class RotaryEmbedding(nn.Module):
     def _lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         # Every layer of one forward pass passes the same positions tensor: gather the table once, not per layer.
         if positions is not self._last_positions:
-            self.tables(int(positions.max()) + 1, positions.device)
+            # A step being captured into a CUDA graph may not read back from the device; its tables were grown
+            # to the longest context before capture.
+            if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+                self.tables(int(positions.max()) + 1, positions.device)
             self._last_positions = positions
             if self.layout == "interleaved":
                 self._last = (self._cis[positions].unsqueeze(1),)  # [tokens, 1, dim/2] complex

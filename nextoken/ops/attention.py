@@ -29,6 +29,16 @@ class DecodeGroup:
 
 
 @dataclass
+class StaticDecode:
+    """A decode step of fixed shapes, as a CUDA graph replays it (engine/graphs.py): one new token for each of the
+    batch's rows, whose context lengths live on the device, and block tables of a fixed width. Attention gathers
+    every row's context at that width and masks it by length, so no step depends on Python-side lengths."""
+
+    seq_lens: torch.Tensor  # [rows] int64 on the device: tokens in context after this step
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, shared by the layers
+
+
+@dataclass
 class AttentionMetadata:
     """One forward pass's view of the paged cache. Sequences are laid out back to back in the token dimension."""
 
@@ -40,6 +50,8 @@ class AttentionMetadata:
     # Per sequence: the first block id when its blocks are consecutive (the common case: a fresh pool hands them out
     # in order), so its context is a view of the cache rather than a gathered copy; None otherwise.
     first_blocks: list[int | None] | None = None
+    # Set for a fixed-shape decode step (a CUDA graph's): attention then reads `static`, not the lists above.
+    static: StaticDecode | None = None
 
     # Built on first use and shared by every layer of the pass: batched decode's groups, the native kernel's lists.
     _groups: list[DecodeGroup] | None = field(default=None, init=False, repr=False)
@@ -112,6 +124,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KV
     head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it (as stored: a
     quantized cache's rounding applies to the new tokens too)."""
     cache.write(k, v, meta.slot_mapping)
+    if meta.static is not None:
+        return _static_decode(q, cache, meta, scale, sliding_window)
     lib = native.library() if q.dtype == torch.float32 and native.attends(q.device, cache.k.dtype, q.shape[-1]) \
         else None
     if lib is None:
@@ -186,4 +200,25 @@ def _decode_group(q: torch.Tensor, cache: KVCacheLayer, group: DecodeGroup, bloc
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2),  # [num_seqs, heads, 1, head_dim]
         keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
+    return o.squeeze(2)
+
+
+def _static_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
+                   sliding_window: int | None) -> torch.Tensor:
+    """One new token per row over its context gathered at the block tables' full width, masked by the lengths on
+    the device (StaticDecode): the same shapes and kernels whatever the lengths."""
+    static = meta.static
+    assert static is not None
+    keys = cache.read("k", meta.block_tables, q.dtype).flatten(1, 2)  # [rows, width * block_size, kv_heads, dim]
+    values = cache.read("v", meta.block_tables, q.dtype).flatten(1, 2)
+    allowed = static.masks.get(sliding_window)
+    if allowed is None:  # the same for every layer with this window: built once per step
+        lens = static.seq_lens[:, None]
+        k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
+        allowed = k_pos < lens
+        if sliding_window is not None:
+            allowed &= (lens - 1) - k_pos < sliding_window
+        allowed = static.masks[sliding_window] = allowed[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                       attn_mask=allowed, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -1,0 +1,168 @@
+"""CUDA graph decode steps (engine/graphs.py), without a GPU: the padded, fixed-shape step a graph records runs
+eagerly here (`capture=False`) and is held to the normal path: the same logits and cache contents for a decode
+batch padded to its row and width buckets (tiny Llama and Gemma 3, every KV format, across Gemma's sliding window),
+and the same greedy tokens through the engine while the batch shrinks through the buckets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from nextoken import LLM, SamplingParams
+from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
+from nextoken.engine.batch import ForwardBatch
+from nextoken.engine.graphs import DecodeGraphs, bucket, width_buckets
+from nextoken.loader.gguf import read_gguf
+from nextoken.models import load_model
+from nextoken.models.config import ModelConfig
+from nextoken.ops.attention import AttentionMetadata
+
+BLOCK = 4
+CONTEXTS = [3, 9, 21]  # Gemma's tiny window is 8: the longest reaches past it
+
+
+def test_buckets() -> None:
+    assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
+    assert width_buckets(3) == (3,) and width_buckets(20) == (4, 8, 16, 20) and width_buckets(16) == (4, 8, 16)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@torch.inference_mode()
+def test_padded_static_step_matches_the_model(arch: str, kv_dtype: str, tiny_llama: Path, tiny_gemma: Path) -> None:
+    gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
+    cfg = ModelConfig.from_gguf(gguf)
+    net = load_model(gguf, cfg)
+    per_seq = 8  # blocks per sequence: sequence s owns blocks 8s..8s+7
+    pad = per_seq * len(CONTEXTS)  # the block after them
+    pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPES[kv_dtype]), pad + 1, BLOCK,
+                  torch.device("cpu"))
+    graphs = DecodeGraphs(net, pool.layers, BLOCK, pad_block=pad, max_blocks=per_seq, max_rows=8,
+                          max_model_len=per_seq * BLOCK, device=torch.device("cpu"), capture=False)
+    gen = torch.Generator().manual_seed(3)
+    for s, length in enumerate(CONTEXTS):  # prefill through the modules
+        ids = torch.randint(3, cfg.vocab_size, (length,), generator=gen)
+        table = torch.arange(per_seq * s, per_seq * (s + 1))
+        meta = AttentionMetadata(table[torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK,
+                                 [0, length], [length], table[None], BLOCK)
+        net(ids, torch.arange(length), pool.layers, meta)
+    lengths = list(CONTEXTS)
+    for _ in range(3):
+        n = len(lengths)
+        tokens = torch.randint(3, cfg.vocab_size, (n,), generator=gen)
+        used = max(-(-(length + 1) // BLOCK) for length in lengths)  # the batch's table width, in blocks
+        tables = torch.stack([torch.arange(per_seq * s, per_seq * s + used) for s in range(n)])
+        slots = torch.tensor([tables[s, length // BLOCK] * BLOCK + length % BLOCK for s, length in enumerate(lengths)])
+        meta = AttentionMetadata(slots, list(range(n + 1)), [length + 1 for length in lengths], tables, BLOCK)
+        twin = KVPool(pool.shape, pool.num_blocks, BLOCK, torch.device("cpu"))
+        for mine, other in zip(pool.layers, twin.layers):
+            for name in ("k", "v", "k_scale", "v_scale"):
+                if getattr(mine, name) is not None:
+                    getattr(other, name).copy_(getattr(mine, name))
+        expected = net(tokens, torch.tensor(lengths), twin.layers, meta)
+        batch = ForwardBatch(tokens, torch.tensor(lengths), meta, torch.arange(n), list(range(n)), [None] * n)
+        got = graphs.run(batch)
+        assert got is not None and got.shape == expected.shape
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for mine, other in zip(pool.layers, twin.layers):
+            for name in ("k", "v", "k_scale", "v_scale"):
+                if getattr(mine, name) is not None:  # every real block as the normal path left it (layers past
+                    # the first see hidden states from another attention kernel: the last bits, an int8 code by one)
+                    a, b = getattr(mine, name)[:pad].float(), getattr(other, name)[:pad].float()
+                    codes = getattr(mine, name).dtype == torch.int8
+                    torch.testing.assert_close(a, b, rtol=0 if codes else 1e-2, atol=1 if codes else 1e-4)
+        lengths = [length + 1 for length in lengths]
+    assert set(graphs.steps) == {(4, 8)}  # 3 rows padded to 4; widths 6 and 7 blocks to 8
+
+
+@torch.inference_mode()
+def test_steps_that_are_not_pure_decode_are_left_to_the_model(tiny_llama: Path) -> None:
+    gguf = read_gguf(tiny_llama)
+    cfg = ModelConfig.from_gguf(gguf)
+    net = load_model(gguf, cfg)
+    pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32), 5, BLOCK,
+                  torch.device("cpu"))
+    graphs = DecodeGraphs(net, pool.layers, BLOCK, pad_block=4, max_blocks=4, max_rows=2, max_model_len=16,
+                          device=torch.device("cpu"), capture=False)
+    table = torch.arange(4)[None]
+    prefill = AttentionMetadata(torch.arange(3), [0, 3], [3], table, BLOCK)
+    assert graphs.run(ForwardBatch(torch.ones(3, dtype=torch.long), torch.arange(3), prefill, torch.tensor([2]),
+                                   [0], [None])) is None
+    decode = AttentionMetadata(torch.tensor([3]), [0, 1], [4], table, BLOCK)
+    with_prompt_logprobs = ForwardBatch(torch.ones(1, dtype=torch.long), torch.tensor([3]), decode,
+                                        torch.tensor([0]), [0], [(0, 1, 3)])
+    assert graphs.run(with_prompt_logprobs) is None
+    three = AttentionMetadata(torch.tensor([3, 7, 11]), [0, 1, 2, 3], [4, 4, 4], torch.arange(3)[:, None], BLOCK)
+    assert graphs.run(ForwardBatch(torch.ones(3, dtype=torch.long), torch.full((3,), 3), three, torch.arange(3),
+                                   [0, 1, 2], [None] * 3)) is None  # more rows than the largest bucket
+    assert not graphs.steps
+
+
+def test_engine_tokens_are_the_same_through_the_padded_steps(tiny_gemma: Path) -> None:
+    """Greedy requests of different lengths: as they finish the batch shrinks through the row buckets (5 -> 8,
+    4, 2, 1 rows) and the tables grow through the widths; every token is the one the normal path gives."""
+    prompts = [[5 + i, 9, 17 + 2 * i, 33] * (1 + i) for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+
+    def generate(llm: LLM) -> list[list[int]]:
+        ids = [llm.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[i] for i in ids]
+
+    plain = LLM(str(tiny_gemma), dtype="float32", device="cpu", kv_cache_bytes=8 << 20, enable_prefix_caching=False)
+    expected = generate(plain)
+    assert [len(t) for t in expected] == [6, 11, 16, 21, 26]
+    llm = LLM(str(tiny_gemma), dtype="float32", device="cpu", kv_cache_bytes=8 << 20, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    pad = runner.num_blocks - 1  # not handed out by so small a workload (checked below)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_pool.layers, runner.block_size, pad_block=pad,
+                                 max_blocks=16, max_rows=8, max_model_len=16 * runner.block_size,
+                                 device=torch.device("cpu"), capture=False)
+    seen: list[tuple[int, int]] = []
+    real_run = runner.graphs.run
+
+    def run(batch: ForwardBatch) -> torch.Tensor | None:
+        assert not (batch.attn.block_tables == pad).any()
+        out = real_run(batch)
+        if out is not None:
+            seen.append((batch.attn.num_seqs, batch.attn.block_tables.shape[1]))
+        return out
+
+    runner.graphs.run = run  # type: ignore[method-assign]
+    assert generate(llm) == expected
+    assert {rows for rows, _ in seen} == {5, 4, 3, 2, 1}
+    assert set(runner.graphs.steps) >= {(8, 4), (4, 4), (2, 4), (1, 4)}
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (scripts/device_check.sh)")
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_captured_steps_give_the_eager_tokens_on_cuda(arch: str, tiny_llama: Path, tiny_gemma: Path) -> None:
+    """On a GPU: greedy tokens with decode steps replayed from CUDA graphs equal those of eager steps, fp32 and
+    bf16, while the batch shrinks through the buckets; the graphs were captured, not skipped."""
+    path = str(tiny_llama if arch == "llama" else tiny_gemma)
+    prompts = [[5 + i, 9, 17 + 2 * i, 33] * (1 + i) for i in range(5)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+
+    def generate(llm: LLM) -> list[list[int]]:
+        ids = [llm.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        while llm.engine.has_unfinished():
+            for out in llm.engine.step():
+                tokens[out.request_id] += out.new_token_ids
+        return [tokens[i] for i in ids]
+
+    for dtype in ("float32", "bfloat16"):
+        eager = LLM(path, dtype=dtype, device="cuda", kv_cache_bytes=8 << 20, cuda_graphs=False)
+        graphs = LLM(path, dtype=dtype, device="cuda", kv_cache_bytes=8 << 20)
+        assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs is not None
+        assert generate(graphs) == generate(eager)
+        captured = graphs.engine.runner.graphs.steps
+        assert captured and all(step is not None and step.graph is not None for step in captured.values())
