@@ -204,7 +204,14 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
                                                        int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
     float scale[TILE][2 * MAX_GROUPS];
+    const int64_t row_bytes = kind == 4 ? K / 2 : K;
     for (int64_t n = n0; n < n1; n++) {
+#ifdef NT_AVX2
+        /* The weight row after next, into cache while this one is computed: the hardware prefetcher alone left a
+         * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so
+         * the rows past the end need no check. */
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)qs + (n + 2) * row_bytes + b, _MM_HINT_T0);
+#endif
         float offset[TILE] = {0};
         for (int i = 0; i < T; i++) {
             const int64_t r = r0 + i;
