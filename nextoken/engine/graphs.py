@@ -25,6 +25,7 @@ import torch
 
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.engine.batch import ForwardBatch
+from nextoken.models.layers import RotaryEmbedding
 from nextoken.ops.attention import AttentionMetadata, StaticDecode
 
 logger = logging.getLogger("nextoken.engine")
@@ -133,7 +134,7 @@ class DecodeGraphs:
             return step
         try:
             for module in self.model.modules():  # no table growth (a read-back) inside the capture
-                if hasattr(module, "tables") and hasattr(module, "theta"):
+                if isinstance(module, RotaryEmbedding):
                     module.tables(self.max_model_len, self.device)
             stream = torch.cuda.Stream(self.device)
             stream.wait_stream(torch.cuda.current_stream(self.device))

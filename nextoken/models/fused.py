@@ -131,7 +131,8 @@ class FusedDecoder:
         x = x.contiguous()
         caches, rope_tables = self._cache_structs(kv_caches), (ctypes.c_void_p * len(tables))(*tables)
         need = native.decode_scratch(self.lib, self.layers, x.shape[0])
-        if self._scratch.numel() < need:  # kept between steps: a fresh buffer each step would fault its pages in
+        # Kept between steps (a fresh buffer each step would fault its pages in); steps run one at a time.
+        if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
         self._gemm_error = None
         with torch.profiler.record_function("nextoken::decode_layers"):  # named in profiles (benchmarks/)

@@ -102,8 +102,8 @@ static inline float hsum_ps(__m256 v) {
 }
 
 /* e^x for 8 lanes, within 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, then
- * 2^n through the exponent bits). Inputs are clamped to +-88.37 (beyond, e^x is 0 or overflows anyway); NaN stays
- * NaN. */
+ * 2^n through the exponent bits). Inputs are clamped to +-88.376, where e^x is near fp32's largest and smallest
+ * normal numbers (far enough for the softmax and the gated activations that use it); NaN stays NaN. */
 static inline __m256 exp_ps(__m256 x) {
     x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -725,8 +725,8 @@ static inline float gelu_tanh(float x) {
     return x / (1.0f + expf(-2.0f * 0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-
-/* a[i] = act(g[i]) * u[i] over n values: silu (0) or gelu with tanh (1), as the torch modules compute them. */
+/* a[i] = act(g[i]) * u[i] over n values: silu (0) or gelu with tanh (1), the torch modules' functions (gelu in its
+ * sigmoid form, see gelu_tanh). */
 void nt_gated(int64_t activation, const float *g, const float *u, float *a, int64_t n) {
     int64_t i = 0;
 #ifdef NT_AVX2
