@@ -8,7 +8,8 @@ them all with one launch. A graph fixes shapes and addresses, so `DecodeGraphs` 
 - a decode step's batch is padded up to the next row bucket. Padding rows write their K/V into a block reserved
   for them (`pad_block`, never handed to a request) and attend to that block alone;
 - block tables are padded to the next width bucket (in blocks); attention takes the fixed-shape path
-  (ops/attention.py, `StaticDecode`): each row's context gathered at that width, masked by its length on the device;
+  (ops/attention.py, `StaticDecode`): each row's context gathered at that width, masked by its length on the device.
+  Masked slots get zero weight, so the pool must hold finite values everywhere: it starts zero-filled;
 - rotary tables are grown to the longest context before any capture.
 
 A bucket is captured the first time a step needs it. Steps that are not pure decode, that are wider than the

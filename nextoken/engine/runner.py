@@ -110,8 +110,9 @@ class ModelRunner:
         self.num_blocks = num_blocks = self._num_blocks(max_model_len)
         use_graphs = self.device.type == "cuda" and config.cuda_graphs
         # Where the native decode attention reads this cache (CPU activations are fp32), no unwritten slot is ever
-        # read and the pool needs no zero fill (torch's padded batched decode does).
-        zero_fill = not native.attends(self.device, self.kv_shape.dtype, model_config.head_dim)
+        # read and the pool needs no zero fill. Padded reads need one (torch's batched decode, CUDA graphs' fixed
+        # widths): masked slots get zero weight, and zero times a stray NaN would still be NaN.
+        zero_fill = use_graphs or not native.attends(self.device, self.kv_shape.dtype, model_config.head_dim)
         self.kv_pool = KVPool(self.kv_shape, num_blocks + int(use_graphs), self.block_size, self.device,
                               zero_fill=zero_fill)
         self.graphs = DecodeGraphs(self.model, self.kv_pool.layers, self.block_size, pad_block=num_blocks,
