@@ -29,7 +29,7 @@ from nextoken.ops import native
 GROUP_SIZE = 32
 # Rows up to which the block kernels beat the fp32 GEMM over the dequantized weight (SmolLM2's projections, 30
 # layers, 2-core AVX2 machine: 8 rows 26.6 vs 50.8 ms, 16 rows 52.6 vs 56.4 ms, 32 rows 111.6 vs 99.9 ms, 64 rows
-# 237 vs 152 ms). Fused decode steps (models/fused.py) hand larger products to the GEMM the same way.
+# 237 vs 152 ms). Fused decode steps (models/fused.py) measure their own threshold, GEMM_MIN_ROWS.
 NATIVE_MAX_ROWS = 16
 # The Q8 head's kernel skips the nibble unpacking and stays ahead for longer (49152 x 576 on the same machine: 1 row
 # 1.0 vs 8.2 ms, 32 rows 14.9 vs 27.6 ms, 64 rows 32 vs 43 ms).

@@ -126,7 +126,7 @@ def decode_step(net: torch.nn.Module, cfg: ModelConfig, pool: KVPool, tokens: li
 def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: str, tiny_llama: Path,
                                           tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """products "gemm": the fused step hands its products to torch's GEMM over the dense weights, as it does for
-    batches of more than NATIVE_MAX_ROWS rows (here from one row on); the modules then take the dense weights too
+    batches of GEMM_MIN_ROWS rows or more (here from one row on); the modules then take the dense weights too
     (the tiny files are float, so their 4-bit blocks are a requantization, not the same weights)."""
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
