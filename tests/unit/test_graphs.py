@@ -22,47 +22,54 @@ from nextoken.ops.attention import AttentionMetadata
 BLOCK = 4
 CONTEXTS = [3, 9, 21]  # Gemma's tiny window is 8: the longest reaches past it
 
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (scripts/device_check.sh)")
+
 
 def test_buckets() -> None:
     assert [bucket(n, (1, 2, 4, 8)) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert width_buckets(3) == (3,) and width_buckets(20) == (4, 8, 16, 20) and width_buckets(16) == (4, 8, 16)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 @torch.inference_mode()
-def test_padded_static_step_matches_the_model(arch: str, kv_dtype: str, tiny_llama: Path, tiny_gemma: Path) -> None:
+def test_padded_static_step_matches_the_model(arch: str, kv_dtype: str, device: str, tiny_llama: Path,
+                                              tiny_gemma: Path) -> None:
+    """On CPU the padded step runs eagerly; on a GPU it is captured and replayed, against eager steps there."""
+    dev = torch.device(device)
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
-    net = load_model(gguf, cfg)
+    net = load_model(gguf, cfg, device=dev)
     per_seq = 8  # blocks per sequence: sequence s owns blocks 8s..8s+7
     pad = per_seq * len(CONTEXTS)  # the block after them
-    pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPES[kv_dtype]), pad + 1, BLOCK,
-                  torch.device("cpu"))
+    pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, KV_DTYPES[kv_dtype]), pad + 1, BLOCK, dev)
     graphs = DecodeGraphs(net, pool.layers, BLOCK, pad_block=pad, max_blocks=per_seq, max_rows=8,
-                          max_model_len=per_seq * BLOCK, device=torch.device("cpu"), capture=False)
+                          max_model_len=per_seq * BLOCK, device=dev, capture=device == "cuda")
     gen = torch.Generator().manual_seed(3)
     for s, length in enumerate(CONTEXTS):  # prefill through the modules
-        ids = torch.randint(3, cfg.vocab_size, (length,), generator=gen)
+        ids = torch.randint(3, cfg.vocab_size, (length,), generator=gen).to(dev)
         table = torch.arange(per_seq * s, per_seq * (s + 1))
-        meta = AttentionMetadata(table[torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK,
-                                 [0, length], [length], table[None], BLOCK)
-        net(ids, torch.arange(length), pool.layers, meta)
+        meta = AttentionMetadata((table[torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK).to(dev),
+                                 [0, length], [length], table[None].to(dev), BLOCK)
+        net(ids, torch.arange(length, device=dev), pool.layers, meta)
     lengths = list(CONTEXTS)
     for _ in range(3):
         n = len(lengths)
-        tokens = torch.randint(3, cfg.vocab_size, (n,), generator=gen)
+        tokens = torch.randint(3, cfg.vocab_size, (n,), generator=gen).to(dev)
         used = max(-(-(length + 1) // BLOCK) for length in lengths)  # the batch's table width, in blocks
         tables = torch.stack([torch.arange(per_seq * s, per_seq * s + used) for s in range(n)])
         slots = torch.tensor([tables[s, length // BLOCK] * BLOCK + length % BLOCK for s, length in enumerate(lengths)])
-        meta = AttentionMetadata(slots, list(range(n + 1)), [length + 1 for length in lengths], tables, BLOCK)
-        twin = KVPool(pool.shape, pool.num_blocks, BLOCK, torch.device("cpu"))
+        meta = AttentionMetadata(slots.to(dev), list(range(n + 1)), [length + 1 for length in lengths], tables.to(dev),
+                                 BLOCK)
+        twin = KVPool(pool.shape, pool.num_blocks, BLOCK, dev)
         for mine, other in zip(pool.layers, twin.layers):
             for name in ("k", "v", "k_scale", "v_scale"):
                 if getattr(mine, name) is not None:
                     getattr(other, name).copy_(getattr(mine, name))
-        expected = net(tokens, torch.tensor(lengths), twin.layers, meta)
-        batch = ForwardBatch(tokens, torch.tensor(lengths), meta, torch.arange(n), list(range(n)), [None] * n)
+        positions = torch.tensor(lengths, device=dev)
+        expected = net(tokens, positions, twin.layers, meta)
+        batch = ForwardBatch(tokens, positions, meta, torch.arange(n, device=dev), list(range(n)), [None] * n)
         got = graphs.run(batch)
         assert got is not None and got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
@@ -75,6 +82,7 @@ def test_padded_static_step_matches_the_model(arch: str, kv_dtype: str, tiny_lla
                     torch.testing.assert_close(a, b, rtol=0 if codes else 1e-2, atol=1 if codes else 1e-4)
         lengths = [length + 1 for length in lengths]
     assert set(graphs.steps) == {(4, 8)}  # 3 rows padded to 4; widths 6 and 7 blocks to 8
+    assert all(step is not None and (step.graph is not None) == (device == "cuda") for step in graphs.steps.values())
 
 
 @torch.inference_mode()
@@ -142,14 +150,13 @@ def test_engine_tokens_are_the_same_through_the_padded_steps(tiny_gemma: Path) -
     assert set(runner.graphs.steps) >= {(8, 4), (4, 4), (2, 4), (1, 4)}
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (scripts/device_check.sh)")
-
 
 @cuda
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_captured_steps_give_the_eager_tokens_on_cuda(arch: str, tiny_llama: Path, tiny_gemma: Path) -> None:
-    """On a GPU: greedy tokens with decode steps replayed from CUDA graphs equal those of eager steps, fp32 and
-    bf16, while the batch shrinks through the buckets; the graphs were captured, not skipped."""
+    """On a GPU: greedy tokens with decode steps replayed from CUDA graphs equal those of eager steps while the
+    batch shrinks through the buckets; the graphs were captured, not skipped. (fp32: with bf16 weights, different
+    attention kernels could flip a near-tied token of these random models; the logits test covers bf16 KV.)"""
     path = str(tiny_llama if arch == "llama" else tiny_gemma)
     prompts = [[5 + i, 9, 17 + 2 * i, 33] * (1 + i) for i in range(5)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
@@ -162,10 +169,9 @@ def test_captured_steps_give_the_eager_tokens_on_cuda(arch: str, tiny_llama: Pat
                 tokens[out.request_id] += out.new_token_ids
         return [tokens[i] for i in ids]
 
-    for dtype in ("float32", "bfloat16"):
-        eager = LLM(path, dtype=dtype, device="cuda", kv_cache_bytes=8 << 20, cuda_graphs=False)
-        graphs = LLM(path, dtype=dtype, device="cuda", kv_cache_bytes=8 << 20)
-        assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs is not None
-        assert generate(graphs) == generate(eager)
-        captured = graphs.engine.runner.graphs.steps
-        assert captured and all(step is not None and step.graph is not None for step in captured.values())
+    eager = LLM(path, dtype="float32", device="cuda", kv_cache_bytes=8 << 20, cuda_graphs=False)
+    graphs = LLM(path, dtype="float32", device="cuda", kv_cache_bytes=8 << 20)
+    assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs is not None
+    assert generate(graphs) == generate(eager)
+    captured = graphs.engine.runner.graphs.steps
+    assert captured and all(step is not None and step.graph is not None for step in captured.values())
