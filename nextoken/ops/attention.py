@@ -24,7 +24,8 @@ from nextoken.ops import native
 class DecodeGroup:
     index: torch.Tensor | None  # rows of the batch in this group; None: all, in order
     block_tables: torch.Tensor
-    seq_lens: list[int]
+    seq_lens: torch.Tensor  # [rows] int64 on the device
+    max_len: int
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built on first use
 
 
@@ -72,13 +73,17 @@ class AttentionMetadata:
                 if self.seq_lens[i] > 2 * self.seq_lens[runs[-1][0]] + self.block_size:
                     runs.append([])
                 runs[-1].append(i)
+            device = self.block_tables.device
             if len(runs) == 1:
-                self._groups = [DecodeGroup(None, self.block_tables, self.seq_lens)]
+                self._groups = [DecodeGroup(None, self.block_tables, torch.tensor(self.seq_lens, device=device),
+                                            max(self.seq_lens))]
             else:
                 self._groups = []
                 for run in runs:
-                    index = torch.tensor(run, device=self.block_tables.device)
-                    self._groups.append(DecodeGroup(index, self.block_tables[index], [self.seq_lens[i] for i in run]))
+                    index = torch.tensor(run, device=device)
+                    lens = [self.seq_lens[i] for i in run]
+                    self._groups.append(DecodeGroup(index, self.block_tables[index],
+                                                    torch.tensor(lens, device=device), max(lens)))
         return self._groups
 
     def single_queries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -184,23 +189,8 @@ def _batched_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadat
 
 def _decode_group(q: torch.Tensor, cache: KVCacheLayer, group: DecodeGroup, block_size: int, scale: float,
                   sliding_window: int | None) -> torch.Tensor:
-    max_len = max(group.seq_lens)
-    table = group.block_tables[:, :-(-max_len // block_size)]
-    # [num_seqs, num_blocks * block_size, kv_heads, head_dim]
-    keys = cache.read("k", table, q.dtype).flatten(1, 2)[:, :max_len]
-    values = cache.read("v", table, q.dtype).flatten(1, 2)[:, :max_len]
-    allowed = group.masks.get(sliding_window)
-    if allowed is None:  # the same for every layer with this window: built once per forward pass
-        lens = torch.tensor(group.seq_lens, device=q.device)[:, None]
-        k_pos = torch.arange(max_len, device=q.device)[None, :]
-        allowed = k_pos < lens  # [num_seqs, max_len]
-        if sliding_window is not None:
-            allowed &= (lens - 1) - k_pos < sliding_window
-        allowed = group.masks[sliding_window] = allowed[:, None, None, :]
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),  # [num_seqs, heads, 1, head_dim]
-        keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
-    return o.squeeze(2)
+    table = group.block_tables[:, :-(-group.max_len // block_size)]
+    return _masked_decode(q, cache, table, group.seq_lens, group.max_len, group.masks, scale, sliding_window)
 
 
 def _static_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata, scale: float,
@@ -209,16 +199,27 @@ def _static_decode(q: torch.Tensor, cache: KVCacheLayer, meta: AttentionMetadata
     the device (StaticDecode): the same shapes and kernels whatever the lengths."""
     static = meta.static
     assert static is not None
-    keys = cache.read("k", meta.block_tables, q.dtype).flatten(1, 2)  # [rows, width * block_size, kv_heads, dim]
-    values = cache.read("v", meta.block_tables, q.dtype).flatten(1, 2)
-    allowed = static.masks.get(sliding_window)
-    if allowed is None:  # the same for every layer with this window: built once per step
-        lens = static.seq_lens[:, None]
-        k_pos = torch.arange(keys.shape[1], device=q.device)[None, :]
-        allowed = k_pos < lens
+    width = meta.block_tables.shape[1] * meta.block_size
+    return _masked_decode(q, cache, meta.block_tables, static.seq_lens, width, static.masks, scale, sliding_window)
+
+
+def _masked_decode(q: torch.Tensor, cache: KVCacheLayer, table: torch.Tensor, seq_lens: torch.Tensor, length: int,
+                   masks: dict[int | None, torch.Tensor], scale: float, sliding_window: int | None) -> torch.Tensor:
+    """One new token per row, q [rows, heads, head_dim], over the first `length` positions of the blocks `table`
+    lists ([rows, blocks]), masked by each row's context length (`seq_lens` [rows] on the device) and window, in
+    one SDPA call. `masks` keeps the mask per window: every layer of a pass shares it."""
+    # [rows, blocks * block_size, kv_heads, head_dim], cut to `length`
+    keys = cache.read("k", table, q.dtype).flatten(1, 2)[:, :length]
+    values = cache.read("v", table, q.dtype).flatten(1, 2)[:, :length]
+    allowed = masks.get(sliding_window)
+    if allowed is None:
+        lens = seq_lens[:, None]
+        k_pos = torch.arange(length, device=q.device)[None, :]
+        allowed = k_pos < lens  # [rows, length]
         if sliding_window is not None:
             allowed &= (lens - 1) - k_pos < sliding_window
-        allowed = static.masks[sliding_window] = allowed[:, None, None, :]
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
-                                       attn_mask=allowed, scale=scale, enable_gqa=True)
+        allowed = masks[sliding_window] = allowed[:, None, None, :]
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2),  # [rows, heads, 1, head_dim]
+        keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
     return o.squeeze(2)

@@ -108,7 +108,7 @@ def test_batched_decode_groups_far_apart_lengths(kv_dtype: str, window: int | No
     # Contexts of 4, 22 and 41 tokens: padding all to 41 would be mostly waste; they decode in two groups.
     groups = AttentionMetadata(torch.zeros(3, dtype=torch.long), [0, 1, 2, 3], meta_lengths,
                                torch.zeros(3, 11, dtype=torch.long), BLOCK).decode_groups()
-    assert [group.seq_lens for group in groups] == [[4], [22, 41]]
+    assert [group.seq_lens.tolist() for group in groups] == [[4], [22, 41]]
     seqs.step([1, 1, 1], gen)
     seqs.step([1, 1, 1], gen)
 

@@ -108,20 +108,24 @@ def test_steps_that_are_not_pure_decode_are_left_to_the_model(tiny_llama: Path) 
     assert not graphs.steps
 
 
+# Greedy requests of different lengths (6, 11, 16, 21, 26 tokens): as they finish, a batch shrinks through the buckets.
+PROMPTS = [[5 + i, 9, 17 + 2 * i, 33] * (1 + i) for i in range(5)]
+PARAMS = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
+
+
+def generate(llm: LLM) -> list[list[int]]:
+    """PROMPTS through the engine, all added at once: each request's tokens."""
+    ids = [llm.engine.add_request(prompt, p) for prompt, p in zip(PROMPTS, PARAMS)]
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            tokens[out.request_id] += out.new_token_ids
+    return [tokens[i] for i in ids]
+
+
 def test_engine_tokens_are_the_same_through_the_padded_steps(tiny_gemma: Path) -> None:
     """Greedy requests of different lengths: as they finish the batch shrinks through the row buckets (5 -> 8,
     4, 2, 1 rows) and the tables grow through the widths; every token is the one the normal path gives."""
-    prompts = [[5 + i, 9, 17 + 2 * i, 33] * (1 + i) for i in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
-
-    def generate(llm: LLM) -> list[list[int]]:
-        ids = [llm.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        while llm.engine.has_unfinished():
-            for out in llm.engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        return [tokens[i] for i in ids]
-
     plain = LLM(str(tiny_gemma), dtype="float32", device="cpu", kv_cache_bytes=8 << 20, enable_prefix_caching=False)
     expected = generate(plain)
     assert [len(t) for t in expected] == [6, 11, 16, 21, 26]
@@ -150,7 +154,6 @@ def test_engine_tokens_are_the_same_through_the_padded_steps(tiny_gemma: Path) -
     assert set(runner.graphs.steps) >= {(8, 4), (4, 4), (2, 4), (1, 4)}
 
 
-
 @cuda
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_captured_steps_give_the_eager_tokens_on_cuda(arch: str, tiny_llama: Path, tiny_gemma: Path) -> None:
@@ -158,17 +161,6 @@ def test_captured_steps_give_the_eager_tokens_on_cuda(arch: str, tiny_llama: Pat
     batch shrinks through the buckets; the graphs were captured, not skipped. (fp32: with bf16 weights, different
     attention kernels could flip a near-tied token of these random models; the logits test covers bf16 KV.)"""
     path = str(tiny_llama if arch == "llama" else tiny_gemma)
-    prompts = [[5 + i, 9, 17 + 2 * i, 33] * (1 + i) for i in range(5)]
-    params = [SamplingParams(temperature=0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(5)]
-
-    def generate(llm: LLM) -> list[list[int]]:
-        ids = [llm.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
-        tokens: dict[str, list[int]] = {i: [] for i in ids}
-        while llm.engine.has_unfinished():
-            for out in llm.engine.step():
-                tokens[out.request_id] += out.new_token_ids
-        return [tokens[i] for i in ids]
-
     eager = LLM(path, dtype="float32", device="cuda", kv_cache_bytes=8 << 20, cuda_graphs=False)
     graphs = LLM(path, dtype="float32", device="cuda", kv_cache_bytes=8 << 20)
     assert eager.engine.runner.graphs is None and graphs.engine.runner.graphs is not None

@@ -383,6 +383,34 @@ static inline const float *token_kv(const kv_store *s, int64_t at, int64_t width
     return row;
 }
 
+/* Per head h (scores [heads, count]): max[h] = the largest score, scores -> exp(score - max[h]) in place, sum[h] =
+ * their total: the unnormalized softmax that parts of one context can be merged from. */
+static void softmax_parts(float *scores, int64_t heads, int64_t count, float *max, float *sum) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *sr = scores + h * count;
+        float m = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < count; j++) m = sr[j] > m ? sr[j] : m;
+        int64_t j = 0;
+#ifdef NT_AVX2
+        const __m256 mv = _mm256_set1_ps(m);
+        __m256 tv = _mm256_setzero_ps();
+        for (; j + 8 <= count; j += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+            _mm256_storeu_ps(sr + j, e);
+            tv = _mm256_add_ps(tv, e);
+        }
+        total = hsum_ps(tv);
+#endif
+        for (; j < count; j++) {
+            sr[j] = expf(sr[j] - m);
+            total += sr[j];
+        }
+        max[h] = m;
+        sum[h] = total;
+    }
+}
+
 #ifdef NT_AVX2
 /* The 8 dot products q . k[i][0:D] (D a multiple of 8) as one vector: 8 accumulators, reduced together. */
 static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
@@ -406,7 +434,7 @@ static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
 
 /* attend() for head sizes that are a multiple of 8, eight positions at a time: their keys (or values) as fp32
  * pointers (converted into `row`, 8 x width floats, for narrow caches), scores of a head for all eight at once,
- * the softmax's exponentials 8 lanes at a time, and each head's output accumulated in registers over the eight. */
+ * and each head's output accumulated in registers over the eight. */
 static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, const kv_store *ks,
                     const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count, float scale,
                     float *scores, float *row, const int64_t *at) {
@@ -421,27 +449,7 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
             memcpy(scores + h * count + j0, s, (size_t)nb * sizeof(float));
         }
     }
-    for (int64_t h = 0; h < heads; h++) {
-        float *sr = scores + h * count;
-        float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < count; j++) m = sr[j] > m ? sr[j] : m;
-        const __m256 mv = _mm256_set1_ps(m);
-        __m256 tv = _mm256_setzero_ps();
-        int64_t j = 0;
-        for (; j + 8 <= count; j += 8) {
-            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
-            _mm256_storeu_ps(sr + j, e);
-            tv = _mm256_add_ps(tv, e);
-        }
-        total = hsum_ps(tv);
-        for (; j < count; j++) {
-            sr[j] = expf(sr[j] - m);
-            total += sr[j];
-        }
-        max[h] = m;
-        sum[h] = total;
-    }
+    softmax_parts(scores, heads, count, max, sum);
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const int64_t nb = count - j0 < 8 ? count - j0 : 8;
@@ -487,18 +495,7 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
         const float *keys = token_kv(&ks, at[j] * D, width, row);
         for (int64_t h = 0; h < heads; h++) scores[h * count + j] = scale * dot_f32(q + h * D, keys + (h / rep) * D, D);
     }
-    for (int64_t h = 0; h < heads; h++) {
-        float *sr = scores + h * count;
-        float m = -INFINITY, total = 0.0f;
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < count; j++) m = sr[j] > m ? sr[j] : m;
-        for (int64_t j = 0; j < count; j++) {
-            sr[j] = expf(sr[j] - m);
-            total += sr[j];
-        }
-        max[h] = m;
-        sum[h] = total;
-    }
+    softmax_parts(scores, heads, count, max, sum);
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
     for (int64_t j = 0; j < count; j++) {
         const float *values = token_kv(&vs, at[j] * D, width, row);
