@@ -7,9 +7,8 @@ model has them, rotary embedding, the K/V write into the paged cache, attention 
 output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
-`GEMM_MIN_ROWS` rows on they are bound by compute, where torch's fp32 GEMM over each projection's dense copy is
-faster: the kernel calls back into Python for those products (one call per projection, outside its parallel regions),
-and everything between them stays in the one native call.
+`GEMM_MIN_ROWS` rows on they are bound by compute, where the native fp32 GEMM over each projection's packed panels
+(the ones its module uses for prefill) is faster; the step stays one native call either way.
 
 It is only a faster route through the same model: the modules stay the definition (prefill, GPUs and traced runs
 use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies
@@ -26,24 +25,23 @@ import torch
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import BlockLinear
+from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
     from nextoken.models.layers import RMSNorm, RotaryEmbedding
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
-# Rows from which a fused step's products go to torch's GEMM. SmolLM2 decode steps on 2 AVX2 cores, ms a step with
-# block kernels vs GEMM: 20 rows 80 vs 116, 32 rows 131 vs 137, 48 rows 221 vs 199, 64 rows 243 vs 207.
-GEMM_MIN_ROWS = 33
+GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1  # rows from which a fused step's products take the fp32 GEMM (measured there)
 
 
 def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
-    if not isinstance(projection, BlockLinear) or projection.lib is None:
+    if not isinstance(projection, BlockLinear) or projection.lib is None or projection.panels is None:
         return None
     parts = [native.Part(p.kind, p.rows, projection.in_features, p.qs.data_ptr(), p.d.data_ptr(),
                          None if p.m is None else p.m.data_ptr()) for p in projection.parts]
-    return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts))
+    return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts),
+                         projection.panels.data_ptr())
 
 
 def _norm(norm: RMSNorm | None) -> int | None:
@@ -73,13 +71,8 @@ class FusedDecoder:
                 _norm(attn.q_norm), _norm(attn.k_norm), *matrices))
         self.layers = (native.Layer * len(layers))(*layers)
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
-        # Dense fp32 weights per block, in the kernel's order of projections (0 qkv, 1 o, 2 gate_up, 3 down).
-        self.dense = [[m.weight for m in (b.attn.qkv_proj, b.attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
-                      for b in model.layers]
+        self.gemm_rows = GEMM_MIN_ROWS
         self._scratch = torch.empty(0)
-        self._gemm_error: BaseException | None = None
-        self._gemm_fn = native.GemmFn(self._gemm)  # referenced here: the kernel holds only its address
-        self.gemm = native.Gemm(self._gemm_fn, GEMM_MIN_ROWS)
 
     @classmethod
     def build(cls, model: CausalLM) -> FusedDecoder | None:
@@ -109,20 +102,6 @@ class FusedDecoder:
             self._caches = (tuple(kv_caches), (native.Cache * len(structs))(*structs))
         return self._caches[1]
 
-    def _gemm(self, layer: int, which: int, x: int, rows: int, k: int, out: int, n: int) -> int:
-        """The kernel's dense products: x and out point into the scratch buffer (see nt_gemm_fn)."""
-        try:
-            base, size = self._scratch.data_ptr(), self._scratch.numel()
-            at_x, at_out = (x - base) // 4, (out - base) // 4
-            if not (0 <= at_x and at_x + rows * k <= size and 0 <= at_out and at_out + rows * n <= size):
-                raise RuntimeError("dense product outside the scratch buffer")
-            torch.mm(self._scratch[at_x:at_x + rows * k].view(rows, k), self.dense[layer][which].t(),
-                     out=self._scratch[at_out:at_out + rows * n].view(rows, n))
-            return 0
-        except BaseException as exc:  # an exception cannot cross the C frames: kept, and raised after the call
-            self._gemm_error = exc
-            return 1
-
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [num_seqs, hidden] (one new token per sequence) -> the residual stream after the last block."""
@@ -137,13 +116,7 @@ class FusedDecoder:
         # Kept between steps (a fresh buffer each step would fault its pages in); steps run one at a time.
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need)
-        self._gemm_error = None
         with torch.profiler.record_function("nextoken::decode_layers"):  # named in profiles (benchmarks/)
-            try:
-                native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
-                                     self.layers, caches, rope_tables, self._scratch, self.gemm)
-            except RuntimeError:
-                if self._gemm_error is not None:
-                    raise self._gemm_error from None
-                raise
+            native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
+                                 self.layers, caches, rope_tables, self._scratch, self.gemm_rows)
         return x

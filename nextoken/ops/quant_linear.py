@@ -9,9 +9,10 @@ Q4_K_M files keep some V and down projections in 6 bits.
 
 The products run in nextoken's own kernels (`ops/native`), which quantize activations to int16 blocks on the fly:
 results match an fp32 matmul over the dequantized weight to about 2e-5. Batches of more than `NATIVE_MAX_ROWS`
-rows are bound by compute instead, where the dense fp32 GEMM wins, so each module keeps the dequantized weight for
-them (`weight`). Where the native kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16
-activations; 4-bit codes with a bf16 scale and zero per 32) and others on the dense weight.
+rows are bound by compute instead, where fp32 multiply-adds over the dequantized weight win: the native fp32 GEMM,
+over the weight packed in its panels (`panels`, held instead of a dense copy; `weight` unpacks it). Where the native
+kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16 activations; 4-bit codes with a
+bf16 scale and zero per 32) and others on the dense weight, with torch's GEMM for large batches.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ from torch import nn
 from nextoken.ops import native
 
 GROUP_SIZE = 32
-# Rows up to which the block kernels beat the fp32 GEMM over the dequantized weight (SmolLM2's projections, 30
-# layers, 2-core AVX2 machine: 8 rows 26.6 vs 50.8 ms, 16 rows 52.6 vs 56.4 ms, 32 rows 111.6 vs 99.9 ms, 64 rows
-# 237 vs 152 ms). Fused decode steps (models/fused.py) measure their own threshold, GEMM_MIN_ROWS.
-NATIVE_MAX_ROWS = 16
-# The Q8 head's kernel skips the nibble unpacking and stays ahead for longer (49152 x 576 on the same machine: 1 row
-# 1.0 vs 8.2 ms, 32 rows 14.9 vs 27.6 ms, 64 rows 32 vs 43 ms).
+# Rows up to which the block kernels beat the fp32 GEMM over the packed weight (SmolLM2's decode steps on 2 AVX2
+# cores, ms a step, block kernels vs GEMM: 8 rows 40 vs 47, 12 rows 60 vs 55, 16 rows 73 vs 60, 24 rows 100 vs 72,
+# 64 rows 297 vs 202; torch's GEMM took 258 ms at 64 rows). Fused decode steps use the same threshold.
+NATIVE_MAX_ROWS = 11
+# The Q8 head's kernel skips the nibble unpacking and stays ahead of a float GEMM for longer (49152 x 576 on the
+# same machine: 1 row 1.0 vs 8.2 ms, 32 rows 14.9 vs 27.6 ms). Over the file's own blocks, from HEAD_GEMM_ROWS rows on
+# the native GEMM that dequantizes 16 head rows at a time is faster still (12 rows 7.3 vs 7.1 ms, 16 rows 9.8 vs 9.3,
+# 64 rows 29.2 vs 23.8) and keeps no fp32 copy.
 HEAD_NATIVE_MAX_ROWS = 128
+HEAD_GEMM_ROWS = 16
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
@@ -99,18 +103,19 @@ def _merge(parts: list[BlockWeight]) -> list[BlockWeight]:
 
 class BlockLinear(nn.Module):
     """A projection held as block-quantized parts (stacked output rows, each in its own format), for up to
-    `max_rows` rows; the dense fp32 `weight` for larger batches."""
+    `max_rows` rows; larger batches take an fp32 GEMM over `panels` (native) or the dense `dense` (torch)."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = dense.shape
         if sum(p.rows for p in parts) != self.out_features:
             raise ValueError("block parts do not add up to the projection's rows")
-        self.weight = nn.Parameter(dense, requires_grad=False)
         self.parts = _merge(parts)
         self.lib = native.library()
+        panels = None
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = NATIVE_MAX_ROWS
+            panels = native.pack(self.lib, dense)
         elif all(p.kind == Q4 for p in self.parts):  # torch's int4 kernel (bf16 activations)
             self.lib = None
             self.max_rows = TORCH_INT4_MAX_ROWS
@@ -123,6 +128,15 @@ class BlockLinear(nn.Module):
         else:
             self.lib = None
             self.max_rows = 0  # no kernel for these formats here: the dense weight
+        self.register_buffer("panels", panels, persistent=False)
+        self.dense = None if panels is not None else nn.Parameter(dense, requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp32 weight [out, in] (unpacked from the panels where the native GEMM holds it)."""
+        if self.panels is not None:
+            return native.unpack(self.panels, self.out_features, self.in_features)
+        return self.dense
 
     @property
     def kinds(self) -> set[int]:
@@ -134,13 +148,16 @@ class BlockLinear(nn.Module):
         return sum(p.bytes_per_weight * p.rows for p in self.parts) / self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows:
-            return F.linear(x, self.weight)
+        if x.shape[0] > self.max_rows and self.panels is None:
+            return F.linear(x, self.dense)
         if self.lib is None:
             out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
             return out.to(x.dtype)
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if x.shape[0] > self.max_rows:
+            native.sgemm(self.lib, x, self.panels, self.out_features, out)
+            return out
         at = 0
         for p in self.parts:
             native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows])
@@ -317,8 +334,9 @@ class Int8GroupHead(nn.Module):
     weights, enough to swap near-tied tokens; so the `num_exact` highest logits of each row are recomputed in fp32
     from the float `weight` (which the embedding keeps anyway when tied), as they are after torch's bf16 pass.
     Greedy picks the same token as the fp32 head unless the best one is not among those candidates. Batches of more
-    than `max_rows` rows take an fp32 GEMM (over dequantized slices of the vocabulary where there is no float
-    weight).
+    than `max_rows` rows take an fp32 GEMM over the float weight; over the file's blocks, the native GEMM that
+    dequantizes them as it goes takes batches from `HEAD_GEMM_ROWS` rows (torch's over dequantized slices of the
+    vocabulary without native kernels).
 
     Without native kernels the pass runs on torch's int4 kernel: an int8 code is two 4-bit ones, c = 16 * hi + lo
     (hi in -8..7, lo in 0..15), so it is two calls of that kernel (bf16 activations and outputs).
@@ -363,6 +381,10 @@ class Int8GroupHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[rows, hidden] fp32 -> fp32 logits [rows, vocab]."""
+        if self.lib is not None and self.weight is None and x.shape[0] >= HEAD_GEMM_ROWS:
+            logits = torch.empty(x.shape[0], self.vocab_size)
+            native.block_gemm(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits)
+            return logits
         if x.shape[0] > self.max_rows:
             if self.weight is not None:
                 return F.linear(x, self.weight)

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from nextoken.loader.dequant import dequantize
 from nextoken.ops import native
-from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockEmbedding, BlockLinear,
+from nextoken.ops.quant_linear import (HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockEmbedding, BlockLinear,
                                         Int8GroupHead, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
                                         q8_weight, regroup, unpack_nibbles)
 
@@ -168,10 +168,16 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
     close = 2e-4 if kernels == "native" and exact_blocks else 1e-5
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=close, atol=close)
     assert torch.equal(out.argmax(-1), exact.argmax(-1))
-    # A batch past the cheap pass's rows: a plain fp32 GEMM (over vocabulary slices of the blocks when exact).
+    # Batches bound by compute: an fp32 GEMM over the blocks when exact (the native one from HEAD_GEMM_ROWS rows on,
+    # else over vocabulary slices), over the float weight past the cheap pass's rows.
     monkeypatch.setattr(Int8GroupHead, "VOCAB_SLICE", 1000)  # slices that do not divide the vocabulary
-    many = torch.randn(head.max_rows + 1, hidden, generator=gen)
-    torch.testing.assert_close(head(many), F.linear(many, dense), rtol=1e-5, atol=1e-5)
+    sizes = [HEAD_GEMM_ROWS, HEAD_GEMM_ROWS + 7, head.max_rows + 1] if head.lib is not None else [head.max_rows + 1]
+    for rows in sizes:
+        many = torch.randn(rows, hidden, generator=gen)
+        if rows <= head.max_rows and not exact_blocks:  # requantized: the cheap pass and its rescoring
+            assert torch.equal(head(many).argmax(-1), F.linear(many, dense).argmax(-1))
+        else:
+            torch.testing.assert_close(head(many), F.linear(many, dense), rtol=1e-5, atol=1e-5)
 
 
 def test_block_embedding_rows_are_the_files_values() -> None:

@@ -3,9 +3,9 @@
 torch's CPU ops cost microseconds each before doing any work, and a decode step is thousands of small ops; its
 int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth on AVX2. These kernels do what a
 decode step needs in single calls: block-quantized matrix products (Q4 and int8 weights, activations quantized to
-int16 blocks on the fly), RMSNorm fused with the residual add, paged decode attention, gated activations, and every
-decoder block of a decode step at once (`decode_layers`, used by models/fused.py; it can hand its larger products
-back to a caller's GEMM).
+int16 blocks on the fly), an fp32 GEMM over weights packed in panels (for batches bound by compute, where it beats
+torch's on skinny shapes), RMSNorm fused with the residual add, paged decode attention, gated activations, and every
+decoder block of a decode step at once (`decode_layers`, used by models/fused.py).
 
 The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
 a cache directory keyed by the source and the CPU ($NEXTOKEN_CACHE, default ~/.cache/nextoken). It links the OpenMP
@@ -125,6 +125,52 @@ def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor,
         raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
 
 
+_SIGNATURES["nt_sgemm"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32])
+_SIGNATURES["nt_sgemm_pack"] = (None, [_ptr, _i64, _i64, _ptr, _i32])
+_SIGNATURES["nt_sgemm_packed_size"] = (_i64, [_i64, _i64])
+_SIGNATURES["nt_block_gemm"] = _SIGNATURES["nt_block_matmul"]
+
+
+def block_gemm(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
+               m: torch.Tensor | None, out: torch.Tensor) -> None:
+    """block_matmul's product through the fp32 GEMM, the weight dequantized 16 rows at a time (nt_block_gemm): for
+    batches bound by compute, with no fp32 copy of the weight."""
+    _check(x)
+    rows, k = x.shape
+    if lib.nt_block_gemm(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
+                         None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0),
+                         torch.get_num_threads()):
+        raise ValueError(f"block_gemm: input size {k} is not a multiple of 32, or out of memory")
+
+
+PANEL = 16  # output columns per panel of a packed weight (nt_sgemm_pack)
+
+
+def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+    """A dense fp32 weight [N, K] as the fp32 GEMM's panels: [ceil(N / 16), K, 16] (zeros past N), flat."""
+    weight = weight.float().contiguous()
+    n, k = weight.shape
+    panels = torch.empty(lib.nt_sgemm_packed_size(n, k))
+    lib.nt_sgemm_pack(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+    return panels
+
+
+def unpack(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The dense [n, k] weight that `pack` made `panels` from."""
+    return panels.view(-1, k, PANEL).transpose(1, 2).reshape(-1, k)[:n]
+
+
+def sgemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, out: torch.Tensor) -> None:
+    """out [M, n] (a view with unit column stride) = x [M, K] fp32 @ W^T, for W [n, K] as `pack` left it."""
+    _check(x)
+    rows, k = x.shape
+    if panels.numel() != lib.nt_sgemm_packed_size(n, k) or out.shape != (rows, n) or out.stride(-1) != 1:
+        raise ValueError(f"sgemm: panels of {panels.numel()} floats or out {tuple(out.shape)} do not fit "
+                         f"x {tuple(x.shape)} and {n} outputs")
+    lib.nt_sgemm(x.data_ptr(), rows, k, x.stride(0), panels.data_ptr(), n, out.data_ptr(), out.stride(0),
+                 torch.get_num_threads())
+
+
 _SIGNATURES["nt_gated"] = (None, [_i64, _ptr, _ptr, _ptr, _i64])
 
 
@@ -192,7 +238,7 @@ MAX_PARTS = 4
 class Matrix(ctypes.Structure):
     """A projection as stacked parts (nt_matrix)."""
 
-    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS)]
+    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS), ("panels", _ptr)]
 
 
 class Layer(ctypes.Structure):
@@ -213,19 +259,9 @@ class Cache(ctypes.Structure):
                 ("block_size", _i64)]
 
 
-# out [M, N] = x [M, K] @ W^T for projection `which` (0 qkv, 1 o, 2 gate_up, 3 down) of block `layer`; 0 on success.
-GemmFn = ctypes.CFUNCTYPE(_i32, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64)
-
-
-class Gemm(ctypes.Structure):
-    """Where nt_decode_layers sends products of at least `min_rows` rows (nt_gemm); a null `fn`: nowhere."""
-
-    _fields_ = [("fn", GemmFn), ("min_rows", _i64)]
-
-
 _SIGNATURES["nt_decode_scratch"] = (_i64, [_ptr, _i64, _i64])
 _SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
-                                          _ptr, _i32])
+                                          _i64, _i32])
 
 
 def cache_struct(k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
@@ -241,15 +277,16 @@ def decode_scratch(lib: ctypes.CDLL, layers: ctypes.Array, rows: int) -> int:
 
 def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
-                  rope_tables: ctypes.Array, scratch: torch.Tensor, gemm: Gemm) -> None:
+                  rope_tables: ctypes.Array, scratch: torch.Tensor, gemm_rows: int) -> None:
     """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers);
-    scratch: fp32 of at least `decode_scratch` elements."""
+    scratch: fp32 of at least `decode_scratch` elements; products of `gemm_rows` rows or more take the fp32 GEMM over
+    each projection's panels (where its Matrix has them)."""
     positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
     if scratch.dtype != torch.float32 or scratch.numel() < decode_scratch(lib, layers, x.shape[0]):
         raise ValueError("decode_layers: scratch is not fp32 or too small")
     status = lib.nt_decode_layers(x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
                                   seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), ctypes.addressof(layers),
                                   ctypes.addressof(caches), len(layers), ctypes.addressof(rope_tables),
-                                  scratch.data_ptr(), ctypes.byref(gemm), torch.get_num_threads())
+                                  scratch.data_ptr(), gemm_rows, torch.get_num_threads())
     if status:
-        raise RuntimeError("decode_layers: out of memory, or a dense product failed")
+        raise RuntimeError("decode_layers: out of memory")

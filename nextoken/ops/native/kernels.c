@@ -294,6 +294,190 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
     return 0;
 }
 
+/* ------------------------------------------------------------ fp32 GEMM */
+
+/* Products of many rows are bound by compute. There fp32 multiply-adds over a dense copy of the weight beat the
+ * block kernels, which widen and scale every block. torch's GEMM runs these skinny shapes (16 to 64 rows, a few
+ * hundred to a few thousand columns) at 60-110 GFLOP/s on 2 AVX2 cores. This one reaches 120-170 there.
+ *
+ * The weight is packed once into panels of 16 output columns, [ceil(N / 16)][K][16] (zeros past N). A 6-row by
+ * 16-column tile of the output is 12 accumulators of 8 lanes. Each step along K loads two panel vectors and
+ * broadcasts one value of each of the 6 rows: 8 loads for 12 multiply-adds. The threads split the panels between
+ * them; each panel is read from L2 by every row tile of x. */
+#define SG_ROWS 6
+#define SG_COLS 16
+
+/* Floats of a packed [N, K] weight. */
+int64_t nt_sgemm_packed_size(int64_t N, int64_t K) { return (N + SG_COLS - 1) / SG_COLS * SG_COLS * K; }
+
+/* packed = w [N, K] as panels (see above). */
+void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int threads) {
+    const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * SG_COLS;
+        float *panel = packed + n0 * K;
+        for (int64_t j = 0; j < SG_COLS; j++) {
+            const float *row = n0 + j < N ? w + (n0 + j) * K : NULL;
+            for (int64_t k = 0; k < K; k++) panel[k * SG_COLS + j] = row ? row[k] : 0.0f;
+        }
+    }
+}
+
+/* 6 rows of x (pointers; repeated where the tile has fewer) by one panel, into `cols` columns of each listed output
+ * row (null: a padding row, not stored). */
+static void sgemm_tile(const float *const *a, const float *panel, int64_t K, float *const *c, int64_t cols) {
+#ifdef NT_AVX2
+    /* named accumulators: as an array, gcc stores them to the stack on every step */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
+           c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    const float *a0 = a[0], *a1 = a[1], *a2 = a[2], *a3 = a[3], *a4 = a[4], *a5 = a[5];
+    for (int64_t k = 0; k < K; k++) {
+        const __m256 b0 = _mm256_loadu_ps(panel + k * SG_COLS), b1 = _mm256_loadu_ps(panel + k * SG_COLS + 8);
+        __m256 v = _mm256_broadcast_ss(a0 + k);
+        c00 = _mm256_fmadd_ps(v, b0, c00), c01 = _mm256_fmadd_ps(v, b1, c01);
+        v = _mm256_broadcast_ss(a1 + k);
+        c10 = _mm256_fmadd_ps(v, b0, c10), c11 = _mm256_fmadd_ps(v, b1, c11);
+        v = _mm256_broadcast_ss(a2 + k);
+        c20 = _mm256_fmadd_ps(v, b0, c20), c21 = _mm256_fmadd_ps(v, b1, c21);
+        v = _mm256_broadcast_ss(a3 + k);
+        c30 = _mm256_fmadd_ps(v, b0, c30), c31 = _mm256_fmadd_ps(v, b1, c31);
+        v = _mm256_broadcast_ss(a4 + k);
+        c40 = _mm256_fmadd_ps(v, b0, c40), c41 = _mm256_fmadd_ps(v, b1, c41);
+        v = _mm256_broadcast_ss(a5 + k);
+        c50 = _mm256_fmadd_ps(v, b0, c50), c51 = _mm256_fmadd_ps(v, b1, c51);
+    }
+    float t[SG_ROWS][SG_COLS];
+    _mm256_storeu_ps(t[0], c00), _mm256_storeu_ps(t[0] + 8, c01), _mm256_storeu_ps(t[1], c10);
+    _mm256_storeu_ps(t[1] + 8, c11), _mm256_storeu_ps(t[2], c20), _mm256_storeu_ps(t[2] + 8, c21);
+    _mm256_storeu_ps(t[3], c30), _mm256_storeu_ps(t[3] + 8, c31), _mm256_storeu_ps(t[4], c40);
+    _mm256_storeu_ps(t[4] + 8, c41), _mm256_storeu_ps(t[5], c50), _mm256_storeu_ps(t[5] + 8, c51);
+#else
+    float t[SG_ROWS][SG_COLS] = {{0}};
+    for (int64_t k = 0; k < K; k++)
+        for (int i = 0; i < SG_ROWS; i++)
+            for (int j = 0; j < SG_COLS; j++) t[i][j] += a[i][k] * panel[k * SG_COLS + j];
+#endif
+    for (int i = 0; i < SG_ROWS; i++)
+        if (c[i]) memcpy(c[i], t[i], (size_t)cols * sizeof(float));
+}
+
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ w^T, for w [N, K] packed by nt_sgemm_pack. */
+void nt_sgemm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *packed, int64_t N, float *out,
+              int64_t ldo, int threads) {
+    const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * SG_COLS, cols = N - n0 < SG_COLS ? N - n0 : SG_COLS;
+        for (int64_t r0 = 0; r0 < M; r0 += SG_ROWS) {
+            const float *a[SG_ROWS];
+            float *c[SG_ROWS];
+            for (int64_t i = 0; i < SG_ROWS; i++) {
+                const int real = r0 + i < M;
+                a[i] = x + (real ? r0 + i : r0) * ldx;
+                c[i] = real ? out + (r0 + i) * ldo + n0 : NULL;
+            }
+            sgemm_tile(a, packed + n0 * K, K, c, cols);
+        }
+    }
+}
+
+/* Row n of a block-quantized weight (kind 4, 8 or 6; see nt_block_matmul) as fp32: d * q (+ m). */
+static void dequantize_row(int kind, const void *qs, const void *wd, const uint16_t *wm, int64_t n, int64_t K,
+                           float *dst) {
+    const int64_t groups = K / QK;
+    if (kind == 4) {
+        const uint8_t *q = (const uint8_t *)qs + n * (K / 2);
+        for (int64_t g = 0; g < groups; g++) {
+            const float d = half_to_float(((const uint16_t *)wd)[n * groups + g]), m = half_to_float(wm[n * groups + g]);
+            for (int i = 0; i < QK / 2; i++) {
+                dst[g * QK + i] = d * (float)(q[g * QK / 2 + i] & 0x0F) + m;
+                dst[g * QK + QK / 2 + i] = d * (float)(q[g * QK / 2 + i] >> 4) + m;
+            }
+        }
+    } else {
+        const int8_t *q = (const int8_t *)qs + n * K;
+        const int64_t size = kind == 6 ? QK / 2 : QK; /* values per scale */
+        for (int64_t g = 0; g < K / size; g++) {
+            const float d = kind == 6 ? ((const float *)wd)[n * 2 * groups + g]
+                                      : half_to_float(((const uint16_t *)wd)[n * groups + g]);
+#pragma omp simd
+            for (int64_t i = 0; i < size; i++) dst[g * size + i] = d * (float)q[g * size + i];
+        }
+    }
+}
+
+/* panel [K][16] = rows [16][K] transposed (K a multiple of 8 on AVX2). */
+static void to_panel(const float *rows, int64_t K, float *panel) {
+    int64_t k = 0;
+#ifdef NT_AVX2
+    for (; k + 8 <= K; k += 8)
+        for (int half = 0; half < 2; half++) { /* rows 0-7, then 8-15: an 8 x 8 transpose each */
+            const float *r = rows + half * 8 * K + k;
+            const __m256 r0 = _mm256_loadu_ps(r), r1 = _mm256_loadu_ps(r + K), r2 = _mm256_loadu_ps(r + 2 * K),
+                         r3 = _mm256_loadu_ps(r + 3 * K), r4 = _mm256_loadu_ps(r + 4 * K),
+                         r5 = _mm256_loadu_ps(r + 5 * K), r6 = _mm256_loadu_ps(r + 6 * K),
+                         r7 = _mm256_loadu_ps(r + 7 * K);
+            const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+                         t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+                         t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                         t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+            const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                         u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                         u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                         u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+            float *p = panel + k * SG_COLS + half * 8;
+            _mm256_storeu_ps(p + 0 * SG_COLS, _mm256_permute2f128_ps(u0, u4, 0x20));
+            _mm256_storeu_ps(p + 1 * SG_COLS, _mm256_permute2f128_ps(u1, u5, 0x20));
+            _mm256_storeu_ps(p + 2 * SG_COLS, _mm256_permute2f128_ps(u2, u6, 0x20));
+            _mm256_storeu_ps(p + 3 * SG_COLS, _mm256_permute2f128_ps(u3, u7, 0x20));
+            _mm256_storeu_ps(p + 4 * SG_COLS, _mm256_permute2f128_ps(u0, u4, 0x31));
+            _mm256_storeu_ps(p + 5 * SG_COLS, _mm256_permute2f128_ps(u1, u5, 0x31));
+            _mm256_storeu_ps(p + 6 * SG_COLS, _mm256_permute2f128_ps(u2, u6, 0x31));
+            _mm256_storeu_ps(p + 7 * SG_COLS, _mm256_permute2f128_ps(u3, u7, 0x31));
+        }
+#endif
+    for (; k < K; k++)
+        for (int j = 0; j < SG_COLS; j++) panel[k * SG_COLS + j] = rows[j * K + k];
+}
+
+/* nt_block_matmul's product through the fp32 GEMM, for batches bound by compute: each thread dequantizes 16
+ * weight rows at a time into a panel of its own (a few percent of the multiply-adds at 64 rows) and runs every row
+ * tile of x over it, so no fp32 copy of the weight is kept. Returns 0, or -1 as nt_block_matmul. */
+int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                  const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+    if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
+    const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
+    {
+        float *rows = malloc((size_t)(2 * SG_COLS * K) * sizeof(float)), *panel = rows + SG_COLS * K;
+        if (!rows) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            if (!rows) continue;
+            const int64_t n0 = p * SG_COLS, cols = N - n0 < SG_COLS ? N - n0 : SG_COLS;
+            for (int64_t j = 0; j < SG_COLS; j++) {
+                if (j < cols) dequantize_row(kind, qs, d, m, n0 + j, K, rows + j * K);
+                else memset(rows + j * K, 0, (size_t)K * sizeof(float));
+            }
+            to_panel(rows, K, panel);
+            for (int64_t r0 = 0; r0 < M; r0 += SG_ROWS) {
+                const float *a[SG_ROWS];
+                float *c[SG_ROWS];
+                for (int64_t i = 0; i < SG_ROWS; i++) {
+                    const int real = r0 + i < M;
+                    a[i] = x + (real ? r0 + i : r0) * ldx;
+                    c[i] = real ? out + (r0 + i) * ldo + n0 : NULL;
+                }
+                sgemm_tile(a, panel, K, c, cols);
+            }
+        }
+        free(rows);
+    }
+    return failed ? -1 : 0;
+}
+
 /* ----------------------------------------------------------------- RMSNorm */
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, over M rows of K; with `residual`, first x[r] += residual[r] (in
@@ -664,10 +848,12 @@ typedef struct {
 } nt_part;
 
 /* A projection as up to 4 stacked parts (rows of the output), each in its own format: a fused QKV projection whose
- * V comes from 6-bit blocks while Q and K come from 4-bit ones. */
+ * V comes from 6-bit blocks while Q and K come from 4-bit ones. `panels`: the whole fp32 weight packed by
+ * nt_sgemm_pack, for products of many rows (null: the block kernels take every product). */
 typedef struct {
     int64_t num_parts, n;
     nt_part parts[4];
+    const float *panels;
 } nt_matrix;
 
 typedef struct {
@@ -680,20 +866,13 @@ typedef struct {
     nt_matrix qkv, o, gate_up, down;
 } nt_layer;
 
-/* A dense product supplied by the caller: out [M, N] = x [M, K] @ W^T for projection `which` (0 qkv, 1 o, 2 gate_up,
- * 3 down) of decoder block `layer`, over the caller's fp32 copy of the weight. Returns 0 on success. For batches
- * where an fp32 GEMM library beats the block kernels (compute-bound rows), it is called from the calling thread,
- * outside any parallel region. */
-typedef int (*nt_gemm_fn)(int64_t layer, int64_t which, const float *x, int64_t M, int64_t K, float *out, int64_t N);
-
-typedef struct {
-    nt_gemm_fn fn; /* null: always the block kernels */
-    int64_t min_rows; /* the callback takes products of at least this many rows */
-} nt_gemm;
-
-static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, const nt_gemm *gemm,
-                  int64_t layer, int64_t which) {
-    if (gemm->fn && M >= gemm->min_rows) return gemm->fn(layer, which, x, M, w->parts[0].k, out, w->n) ? -1 : 0;
+/* out [M, n] = x [M, k] @ W^T: the fp32 GEMM over the panels from `gemm_rows` rows on (bound by compute there),
+ * else the block kernels (bound by the bytes of the weight). */
+static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
+    if (w->panels && M >= gemm_rows) {
+        nt_sgemm(x, M, w->parts[0].k, w->parts[0].k, w->panels, w->n, out, w->n, threads);
+        return 0;
+    }
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];
@@ -766,11 +945,11 @@ int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M)
 /* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
  * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
  * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least
- * nt_decode_scratch() floats; gemm: where larger products go to the caller's dense GEMM. Returns 0, or -1 when a
- * size is unsupported or a product fails. */
+ * nt_decode_scratch() floats; gemm_rows: from how many rows products take the fp32 GEMM (see matmul). Returns 0, or
+ * -1 when a size is unsupported or memory runs out. */
 int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
                      const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
-                     int64_t num_layers, const float *const *rope_tables, float *scratch, const nt_gemm *gemm,
+                     int64_t num_layers, const float *const *rope_tables, float *scratch, int64_t gemm_rows,
                      int threads) {
     const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
     float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
@@ -782,7 +961,7 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         const int64_t qkv_n = L->qkv.n;
         /* attention */
         norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
-        status |= matmul(&L->qkv, h, M, big, threads, gemm, l, 0);
+        status |= matmul(&L->qkv, h, M, big, threads, gemm_rows);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
             float *row = big + t * qkv_n; /* q heads, k heads, v heads */
@@ -799,15 +978,15 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         }
         status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
                                    L->window, threads);
-        status |= matmul(&L->o, tmp, M, h, threads, gemm, l, 1);
+        status |= matmul(&L->o, tmp, M, h, threads, gemm_rows);
         if (L->attn_out_norm) norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
         norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
-        status |= matmul(&L->gate_up, h, M, big, threads, gemm, l, 2);
+        status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows);
         const int64_t F = L->ffn;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) nt_gated(L->activation, big + t * 2 * F, big + t * 2 * F + F, att + t * F, F);
-        status |= matmul(&L->down, att, M, h, threads, gemm, l, 3);
+        status |= matmul(&L->down, att, M, h, threads, gemm_rows);
         if (L->mlp_out_norm) norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++)
