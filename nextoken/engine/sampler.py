@@ -68,19 +68,46 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [num_rows, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if bool((top_p < 1).any()):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = sorted_logits.softmax(dim=-1)
-        # Drop a token when the tokens before it already reach p; the first token is always kept.
-        before = probs.cumsum(dim=-1) - probs
-        drop_sorted = before >= top_p[:, None]
-        drop_sorted[:, 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = top_p_filter(logits, top_p)
     if bool((min_p > 0).any()):
         probs = logits.softmax(dim=-1)
         threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < threshold, float("-inf"))
     return logits
+
+
+# Tokens a top-p row is first looked for among. Sorting whole rows cost 1.2 s a step for 64 rows of Gemma 3's 262k
+# vocabulary on 2 cores; the 1,024 largest of each row take 47 ms, and in practice hold the nucleus.
+TOP_P_CANDIDATES = 1024
+
+
+def _nucleus(sorted_logits: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's tokens (sorted by logit, descending) the nucleus keeps: a token is dropped when those
+    before it already reach p; the first is always kept. log_total: each whole row's logsumexp [rows, 1]."""
+    probs = (sorted_logits - log_total).exp()
+    keep = probs.cumsum(dim=-1) - probs < top_p[:, None]
+    keep[:, 0] = True
+    return keep
+
+
+def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Stage 5: tokens outside each row's nucleus become -inf. Found among the row's TOP_P_CANDIDATES largest
+    logits where their probability reaches p (the same set a full sort gives); the other rows are sorted whole."""
+    log_total = logits.logsumexp(dim=-1, keepdim=True)
+    out = torch.full_like(logits, float("-inf"))
+    count = min(TOP_P_CANDIDATES, logits.shape[1])
+    values, order = logits.topk(count, dim=-1)  # sorted, descending
+    covered = (values - log_total).exp().sum(dim=-1) >= top_p
+    if count == logits.shape[1] or bool(covered.all()):
+        return out.scatter_(1, order, values.masked_fill(~_nucleus(values, log_total, top_p), float("-inf")))
+    rest = (~covered).nonzero().flatten()
+    fine = covered.nonzero().flatten()
+    keep = _nucleus(values[fine], log_total[fine], top_p[fine])
+    out[fine] = out[fine].scatter_(1, order[fine], values[fine].masked_fill(~keep, float("-inf")))
+    values, order = logits[rest].sort(dim=-1, descending=True)
+    keep = _nucleus(values, log_total[rest], top_p[rest])
+    out[rest] = out[rest].scatter_(1, order, values.masked_fill(~keep, float("-inf")))
+    return out
 
 
 def argmax(logits: torch.Tensor) -> list[int]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 from scipy import stats
 
+from nextoken.engine import sampler as sampler_module
 from nextoken.engine.sampler import Sampler, SamplingRow, argmax, filter_logits
 from nextoken.errors import InvalidSamplingParams
 from nextoken.sampling_params import SamplingParams
@@ -49,6 +50,25 @@ def test_filter_matches_reference(temperature: float, top_k: int, top_p: float, 
     got = filtered.softmax(-1)[0].numpy()
     want = reference_distribution(LOGITS.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_top_p_over_candidates_and_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose nucleus lies among the largest TOP_P_CANDIDATES logits and rows where it does not (a flat row:
+    sorted whole), mixed in one batch, with and without top-k: each row's distribution is the reference's."""
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
+    gen = torch.Generator().manual_seed(3)
+    vocab = 3000
+    peaked = torch.randn(vocab, generator=gen) * 4  # its 64 largest hold far more than 0.9
+    flat = torch.randn(vocab, generator=gen) * 0.1  # its 64 largest hold about 2%
+    rows = [(peaked, 1.0, 0, 0.9), (flat, 1.0, 0, 0.9), (peaked, 0.7, 20, 0.5), (flat, 1.3, 500, 0.95),
+            (flat, 1.0, 0, 0.01), (peaked, 1.0, 0, 0.999)]
+    logits = torch.stack([r[0] for r in rows])
+    params = [torch.tensor([r[i] for r in rows]) for i in (1, 2, 3)]
+    got = filter_logits(logits, *params, torch.zeros(len(rows))).softmax(-1).double().numpy()
+    for i, (row, temperature, top_k, top_p) in enumerate(rows):
+        want = reference_distribution(row.numpy().astype(np.float64), temperature, top_k, top_p, 0.0)
+        assert ((got[i] > 0) == (want > 0)).all(), f"row {i}: another set of tokens"
+        np.testing.assert_allclose(got[i], want, atol=1e-6)
 
 
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.8, 4, 0.9)])
