@@ -3,8 +3,11 @@
 Anchors are copied from ANCHORS.md (measured 2026-11-29, 2 threads, on a machine with AVX-512 and AMX): llama.cpp and
 transformers on the same GGUF files. "llama.cpp AVX2" is llama.cpp measured on a 2-core AVX2 machine (AMD EPYC, no
 AVX-512/AMX, where bf16 GEMMs are emulated) on 2026-11-30: llama-bench -p 512 -n 128 -t 2 -r 3 and
-llama-batched-bench -npp 128 -ntg 128 -npl 1,16,64 -t 2, built from source with GGML_NATIVE. Benchmarks print our
-figure beside them and the ratio; compare with the row measured on the machine you run on.
+llama-batched-bench -npp 128 -ntg 128 -npl 1,16,64 -t 2, built from source with GGML_NATIVE. "transformers fp32/bf16
+AVX2" is transformers 5.23 on that machine the same day, measured as ANCHORS.md describes (the GGUF dequantized,
+SDPA, a greedy loop with its KV cache, 2 threads; prefill and batch 1 medians of 3, batched figures one run of
+B x (128 prompt + 128 new) tokens). Benchmarks print our figure beside them and the ratio; compare with the rows
+measured on the machine you run on.
 """
 
 from __future__ import annotations
@@ -19,17 +22,26 @@ RESULTS = Path(__file__).parent / "results"
 
 ANCHORS = {
     "smollm2-135m-instruct": {
-        "prefill_512": {"llama.cpp": 263, "transformers fp32": 847, "transformers bf16": 2633, "llama.cpp AVX2": 188.5},
-        "decode_1": {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23, "llama.cpp AVX2": 93.1},
-        "decode_16": {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256, "llama.cpp AVX2": 149.9},
-        "decode_64": {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581, "llama.cpp AVX2": 144.5},
-        "load_s": {"transformers fp32": 17, "transformers bf16": 16},
+        "prefill_512": {"llama.cpp": 263, "transformers fp32": 847, "transformers bf16": 2633,
+                        "llama.cpp AVX2": 188.5, "transformers fp32 AVX2": 387.4, "transformers bf16 AVX2": 65.1},
+        "decode_1": {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23, "llama.cpp AVX2": 93.1,
+                     "transformers fp32 AVX2": 15.0, "transformers bf16 AVX2": 25.5},
+        "decode_16": {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256, "llama.cpp AVX2": 149.9,
+                      "transformers fp32 AVX2": 95.5, "transformers bf16 AVX2": 38.7},
+        "decode_64": {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581, "llama.cpp AVX2": 144.5,
+                      "transformers fp32 AVX2": 163.9, "transformers bf16 AVX2": 45.4},
+        "load_s": {"transformers fp32": 17, "transformers bf16": 16, "transformers fp32 AVX2": 20.4,
+                   "transformers bf16 AVX2": 18.0},
     },
     "gemma-3-270m": {
-        "prefill_512": {"llama.cpp": 544, "transformers fp32": 823, "transformers bf16": 2115, "llama.cpp AVX2": 321.4},
-        "decode_1": {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17, "llama.cpp AVX2": 58.5},
-        "decode_16": {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190, "llama.cpp AVX2": 117.2},
-        "decode_64": {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427, "llama.cpp AVX2": 130.5},
+        "prefill_512": {"llama.cpp": 544, "transformers fp32": 823, "transformers bf16": 2115,
+                        "llama.cpp AVX2": 321.4, "transformers fp32 AVX2": 177.1, "transformers bf16 AVX2": 30.8},
+        "decode_1": {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17, "llama.cpp AVX2": 58.5,
+                     "transformers fp32 AVX2": 9.6, "transformers bf16 AVX2": 16.6},
+        "decode_16": {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190, "llama.cpp AVX2": 117.2,
+                      "transformers fp32 AVX2": 53.0, "transformers bf16 AVX2": 23.6},
+        "decode_64": {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427, "llama.cpp AVX2": 130.5,
+                      "transformers fp32 AVX2": 90.1, "transformers bf16 AVX2": 25.2},
         "load_s": {"transformers fp32": 48, "transformers bf16": 43},
     },
 }

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import ANCHORS as COMMON_ANCHORS
 from nextoken import LLM, SamplingParams
 from nextoken.engine.request import Request
 
@@ -38,22 +39,11 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_PROMPTS = ROOT / "tests" / "data" / "reference" / "smollm2" / "hf.json"
 RESULTS = Path(__file__).resolve().parent / "results" / "throughput.json"
 
-# Copied from ANCHORS.md, "The numbers to beat", measured 2026-11-29 on a machine with AVX-512 and AMX (2 threads,
-# medians of at least 3 runs): aggregate decode tokens/s of B sequences x 128 new tokens (llama.cpp:
-# llama-batched-bench -npp 128 -ntg 128 -t 2; transformers 5.24 fp32/bf16: a greedy loop with its KV cache).
-# "llama.cpp AVX2": the same llama.cpp commands on a 2-core AVX2 machine (see benchmarks/common.py).
+# Aggregate decode tokens/s of B sequences x 128 new tokens, by B (benchmarks/common.py: ANCHORS.md's machine and
+# the AVX2 machine's rows).
 ANCHORS: dict[str, dict[int, dict[str, float]]] = {
-    "smollm2-135m-instruct": {
-        1: {"llama.cpp": 96, "transformers fp32": 27, "transformers bf16": 23, "llama.cpp AVX2": 93.1},
-        16: {"llama.cpp": 202, "transformers fp32": 174, "transformers bf16": 256, "llama.cpp AVX2": 149.9},
-        64: {"llama.cpp": 221, "transformers fp32": 333, "transformers bf16": 581, "llama.cpp AVX2": 144.5},
-    },
-    "gemma-3-270m": {
-        1: {"llama.cpp": 41, "transformers fp32": 16, "transformers bf16": 17, "llama.cpp AVX2": 58.5},
-        16: {"llama.cpp": 183, "transformers fp32": 108, "transformers bf16": 190, "llama.cpp AVX2": 117.2},
-        64: {"llama.cpp": 222, "transformers fp32": 215, "transformers bf16": 427, "llama.cpp AVX2": 130.5},
-    },
-}
+    model: {int(key.removeprefix("decode_")): row for key, row in rows.items() if key.startswith("decode_")}
+    for model, rows in COMMON_ANCHORS.items()}
 SYSTEM_PROMPT = ("You are a helpful assistant. Answer the user's question accurately and concisely, and say so "
                  "when you do not know the answer.")
 
@@ -191,15 +181,15 @@ def print_anchors(model: str, dtype: str, batched: RunResult, serial: RunResult 
     if found is None or batched.decode_tok_s is None:
         return
     size, anchors = found
-    print(f"\nanchors (ANCHORS.md, 2026-11-29): aggregate decode, {size} sequences x 128 tokens, tok/s; "
+    print(f"\nanchors (ANCHORS.md, 2026-11-29; the AVX2 rows: benchmarks/common.py): aggregate decode, {size} sequences x 128 tokens, tok/s; "
           f"ours = uniform batched decode phase, {batched.num_requests} sequences, {dtype}")
     for name, value in anchors.items():
-        print(f"  {name:18} {value:7.0f}   ours {batched.decode_tok_s:7.1f}   {batched.decode_tok_s / value:5.2f}x")
+        print(f"  {name:24} {value:7.1f}   ours {batched.decode_tok_s:7.1f}   {batched.decode_tok_s / value:5.2f}x")
     single = ANCHORS[model].get(1)
     if serial is not None and serial.decode_tok_s and single:
         print(f"anchors: decode, batch 1, tok/s; ours = uniform one by one, {dtype}")
         for name, value in single.items():
-            print(f"  {name:18} {value:7.0f}   ours {serial.decode_tok_s:7.1f}   {serial.decode_tok_s / value:5.2f}x")
+            print(f"  {name:24} {value:7.1f}   ours {serial.decode_tok_s:7.1f}   {serial.decode_tok_s / value:5.2f}x")
 
 
 def save(key: str, payload: dict) -> Path:
