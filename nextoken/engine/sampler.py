@@ -96,18 +96,21 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     logits where their probability reaches p (the same set a full sort gives); the other rows are sorted whole."""
     log_total = logits.logsumexp(dim=-1, keepdim=True)
     out = torch.full_like(logits, float("-inf"))
-    count = min(TOP_P_CANDIDATES, logits.shape[1])
-    values, order = logits.topk(count, dim=-1)  # sorted, descending
+
+    def keep(rows: torch.Tensor | slice, values: torch.Tensor, order: torch.Tensor) -> None:
+        kept = values.masked_fill(~_nucleus(values, log_total[rows], top_p[rows]), float("-inf"))
+        out[rows] = out[rows].scatter_(1, order, kept)
+
+    values, order = logits.topk(min(TOP_P_CANDIDATES, logits.shape[1]), dim=-1)  # sorted, descending
     covered = (values - log_total).exp().sum(dim=-1) >= top_p
-    if count == logits.shape[1] or bool(covered.all()):
-        return out.scatter_(1, order, values.masked_fill(~_nucleus(values, log_total, top_p), float("-inf")))
-    rest = (~covered).nonzero().flatten()
-    fine = covered.nonzero().flatten()
-    keep = _nucleus(values[fine], log_total[fine], top_p[fine])
-    out[fine] = out[fine].scatter_(1, order[fine], values[fine].masked_fill(~keep, float("-inf")))
-    values, order = logits[rest].sort(dim=-1, descending=True)
-    keep = _nucleus(values, log_total[rest], top_p[rest])
-    out[rest] = out[rest].scatter_(1, order, values.masked_fill(~keep, float("-inf")))
+    whole = top_p >= 1  # rows of the batch without top-p keep every token
+    if bool(covered.all()) and not bool(whole.any()):
+        keep(slice(None), values, order)
+        return out
+    out[whole] = logits[whole]
+    fine, rest = (covered & ~whole).nonzero().flatten(), (~covered & ~whole).nonzero().flatten()
+    keep(fine, values[fine], order[fine])
+    keep(rest, *logits[rest].sort(dim=-1, descending=True))
     return out
 
 

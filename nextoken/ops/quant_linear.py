@@ -383,7 +383,7 @@ class Int8GroupHead(nn.Module):
         """[rows, hidden] fp32 -> fp32 logits [rows, vocab]."""
         if self.lib is not None and self.weight is None and x.shape[0] >= HEAD_GEMM_ROWS:
             logits = torch.empty(x.shape[0], self.vocab_size)
-            native.block_gemm(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits)
+            native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits, gemm=True)
             return logits
         if x.shape[0] > self.max_rows:
             if self.weight is not None:

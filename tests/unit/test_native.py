@@ -89,7 +89,7 @@ def test_gated_activations_match_torch(build: str, lib: ctypes.CDLL, portable: c
 def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     """Every tile shape: rows past and short of the 6-row tiles, columns short of a 16-column panel, any K; rows of
     x and out with strides of their own. Within fp32 rounding of a float64 product; the panels unpack to W. The same
-    GEMM over block weights (block_gemm)."""
+    GEMM over block weights (block_matmul with gemm=True)."""
     kernels = lib if build == "vectorized" else portable
     gen = torch.Generator().manual_seed(3)
     for n, k in ((5, 7), (16, 64), (37, 96), (100, 33)):
@@ -116,7 +116,7 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
         for rows in (1, 7, 12):
             x = torch.randn(rows, 96, generator=gen)
             out = torch.empty(rows, part.rows)
-            native.block_gemm(kernels, part.kind, x, part.qs, part.d, part.m, out)
+            native.block_matmul(kernels, part.kind, x, part.qs, part.d, part.m, out, gemm=True)
             torch.testing.assert_close(out, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not fit"):
         native.sgemm(kernels, torch.randn(2, 8), native.pack(kernels, torch.randn(4, 9)), 4, torch.empty(2, 4))

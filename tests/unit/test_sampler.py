@@ -54,14 +54,15 @@ def test_filter_matches_reference(temperature: float, top_k: int, top_p: float, 
 
 def test_top_p_over_candidates_and_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows whose nucleus lies among the largest TOP_P_CANDIDATES logits and rows where it does not (a flat row:
-    sorted whole), mixed in one batch, with and without top-k: each row's distribution is the reference's."""
+    sorted whole), mixed in one batch with and without top-k and with a row without top-p (every token kept): each
+    row's distribution is the reference's."""
     monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
     gen = torch.Generator().manual_seed(3)
     vocab = 3000
     peaked = torch.randn(vocab, generator=gen) * 4  # its 64 largest hold far more than 0.9
     flat = torch.randn(vocab, generator=gen) * 0.1  # its 64 largest hold about 2%
     rows = [(peaked, 1.0, 0, 0.9), (flat, 1.0, 0, 0.9), (peaked, 0.7, 20, 0.5), (flat, 1.3, 500, 0.95),
-            (flat, 1.0, 0, 0.01), (peaked, 1.0, 0, 0.999)]
+            (flat, 1.0, 0, 0.01), (peaked, 1.0, 0, 0.999), (flat, 1.0, 0, 1.0)]
     logits = torch.stack([r[0] for r in rows])
     params = [torch.tensor([r[i] for r in rows]) for i in (1, 2, 3)]
     got = filter_logits(logits, *params, torch.zeros(len(rows))).softmax(-1).double().numpy()

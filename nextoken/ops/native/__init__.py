@@ -113,15 +113,16 @@ def _check(x: torch.Tensor) -> None:
 
 
 def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
-                 m: torch.Tensor | None, out: torch.Tensor) -> None:
+                 m: torch.Tensor | None, out: torch.Tensor, gemm: bool = False) -> None:
     """out [M, N] (a view with unit column stride) = x [M, K] fp32 @ W^T for a block-quantized W [N, K]:
     kind 4 (qs nibbles [N, K / 2], d and m fp16 [N, K / 32]), 8 (qs int8 [N, K], d fp16 [N, K / 32]) or 6 (qs int8,
-    d fp32 [N, K / 16]); see nt_block_matmul."""
+    d fp32 [N, K / 16]); see nt_block_matmul. gemm: through the fp32 GEMM instead, the weight dequantized 16 rows at
+    a time (nt_block_gemm), for batches bound by compute, with no fp32 copy of the weight."""
     _check(x)
     rows, k = x.shape
-    if lib.nt_block_matmul(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
-                           None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0),
-                           torch.get_num_threads()):
+    fn = lib.nt_block_gemm if gemm else lib.nt_block_matmul
+    if fn(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
+          None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads()):
         raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
 
 
@@ -129,18 +130,6 @@ _SIGNATURES["nt_sgemm"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64
 _SIGNATURES["nt_sgemm_pack"] = (None, [_ptr, _i64, _i64, _ptr, _i32])
 _SIGNATURES["nt_sgemm_packed_size"] = (_i64, [_i64, _i64])
 _SIGNATURES["nt_block_gemm"] = _SIGNATURES["nt_block_matmul"]
-
-
-def block_gemm(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
-               m: torch.Tensor | None, out: torch.Tensor) -> None:
-    """block_matmul's product through the fp32 GEMM, the weight dequantized 16 rows at a time (nt_block_gemm): for
-    batches bound by compute, with no fp32 copy of the weight."""
-    _check(x)
-    rows, k = x.shape
-    if lib.nt_block_gemm(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
-                         None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0),
-                         torch.get_num_threads()):
-        raise ValueError(f"block_gemm: input size {k} is not a multiple of 32, or out of memory")
 
 
 PANEL = 16  # output columns per panel of a packed weight (nt_sgemm_pack)

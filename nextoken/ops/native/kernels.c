@@ -310,20 +310,6 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
 /* Floats of a packed [N, K] weight. */
 int64_t nt_sgemm_packed_size(int64_t N, int64_t K) { return (N + SG_COLS - 1) / SG_COLS * SG_COLS * K; }
 
-/* packed = w [N, K] as panels (see above). */
-void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int threads) {
-    const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * SG_COLS;
-        float *panel = packed + n0 * K;
-        for (int64_t j = 0; j < SG_COLS; j++) {
-            const float *row = n0 + j < N ? w + (n0 + j) * K : NULL;
-            for (int64_t k = 0; k < K; k++) panel[k * SG_COLS + j] = row ? row[k] : 0.0f;
-        }
-    }
-}
-
 /* 6 rows of x (pointers; repeated where the tile has fewer) by one panel, into `cols` columns of each listed output
  * row (null: a padding row, not stored). */
 static void sgemm_tile(const float *const *a, const float *panel, int64_t K, float *const *c, int64_t cols) {
@@ -362,24 +348,29 @@ static void sgemm_tile(const float *const *a, const float *panel, int64_t K, flo
         if (c[i]) memcpy(c[i], t[i], (size_t)cols * sizeof(float));
 }
 
+/* Every 6-row tile of x [M, K] by one panel, into `cols` columns of out [M, ...] from its first. */
+static void panel_product(const float *x, int64_t M, int64_t K, int64_t ldx, const float *panel, float *out,
+                          int64_t ldo, int64_t cols) {
+    for (int64_t r0 = 0; r0 < M; r0 += SG_ROWS) {
+        const float *a[SG_ROWS];
+        float *c[SG_ROWS];
+        for (int64_t i = 0; i < SG_ROWS; i++) {
+            const int real = r0 + i < M;
+            a[i] = x + (real ? r0 + i : r0) * ldx;
+            c[i] = real ? out + (r0 + i) * ldo : NULL;
+        }
+        sgemm_tile(a, panel, K, c, cols);
+    }
+}
+
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ w^T, for w [N, K] packed by nt_sgemm_pack. */
 void nt_sgemm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *packed, int64_t N, float *out,
               int64_t ldo, int threads) {
     const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
-    for (int64_t p = 0; p < panels; p++) {
-        const int64_t n0 = p * SG_COLS, cols = N - n0 < SG_COLS ? N - n0 : SG_COLS;
-        for (int64_t r0 = 0; r0 < M; r0 += SG_ROWS) {
-            const float *a[SG_ROWS];
-            float *c[SG_ROWS];
-            for (int64_t i = 0; i < SG_ROWS; i++) {
-                const int real = r0 + i < M;
-                a[i] = x + (real ? r0 + i : r0) * ldx;
-                c[i] = real ? out + (r0 + i) * ldo + n0 : NULL;
-            }
-            sgemm_tile(a, packed + n0 * K, K, c, cols);
-        }
-    }
+    for (int64_t p = 0; p < panels; p++)
+        panel_product(x, M, K, ldx, packed + p * SG_COLS * K, out + p * SG_COLS, ldo,
+                      N - p * SG_COLS < SG_COLS ? N - p * SG_COLS : SG_COLS);
 }
 
 /* Row n of a block-quantized weight (kind 4, 8 or 6; see nt_block_matmul) as fp32: d * q (+ m). */
@@ -441,6 +432,22 @@ static void to_panel(const float *rows, int64_t K, float *panel) {
         for (int j = 0; j < SG_COLS; j++) panel[k * SG_COLS + j] = rows[j * K + k];
 }
 
+/* packed = w [N, K] as panels (see above): whole panels transposed from w's rows in place, the last one through a
+ * zero-padded copy. */
+void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int threads) {
+    const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && panels > 1)
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t n0 = p * SG_COLS;
+        if (n0 + SG_COLS <= N) {
+            to_panel(w + n0 * K, K, packed + n0 * K);
+            continue;
+        }
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < SG_COLS; j++) packed[n0 * K + k * SG_COLS + j] = n0 + j < N ? w[(n0 + j) * K + k] : 0.0f;
+    }
+}
+
 /* nt_block_matmul's product through the fp32 GEMM, for batches bound by compute: each thread dequantizes 16
  * weight rows at a time into a panel of its own (a few percent of the multiply-adds at 64 rows) and runs every row
  * tile of x over it, so no fp32 copy of the weight is kept. Returns 0, or -1 as nt_block_matmul. */
@@ -462,16 +469,7 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
                 else memset(rows + j * K, 0, (size_t)K * sizeof(float));
             }
             to_panel(rows, K, panel);
-            for (int64_t r0 = 0; r0 < M; r0 += SG_ROWS) {
-                const float *a[SG_ROWS];
-                float *c[SG_ROWS];
-                for (int64_t i = 0; i < SG_ROWS; i++) {
-                    const int real = r0 + i < M;
-                    a[i] = x + (real ? r0 + i : r0) * ldx;
-                    c[i] = real ? out + (r0 + i) * ldo + n0 : NULL;
-                }
-                sgemm_tile(a, panel, K, c, cols);
-            }
+            panel_product(x, M, K, ldx, panel, out + n0, ldo, cols);
         }
         free(rows);
     }
