@@ -21,7 +21,7 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_logits] int64
+    logits_indices: torch.Tensor | None  # [num_logits] int64; None: every token's row
     sample_rows: list[int | None]  # per scheduled request
     prompt_logprob_rows: list[tuple[int, int, int] | None]  # per request: (first row, rows, first position)
 
@@ -78,7 +78,9 @@ class ForwardBatch:
                 block_size=block_size,
                 first_blocks=first_blocks,
             ),
-            logits_indices=torch.tensor(logits_indices, **as_long),
+            # None where every row is wanted in order (decode steps): no gathered copy then.
+            logits_indices=None if logits_indices == list(range(len(input_ids))) else torch.tensor(logits_indices,
+                                                                                                    **as_long),
             sample_rows=sample_rows,
             prompt_logprob_rows=prompt_rows,
         )

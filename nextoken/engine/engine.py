@@ -135,7 +135,9 @@ class LLMEngine:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
                                 scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)
                     for i, _ in sampling]
-            result = self.sampler(logits[[r for _, r in sampling]], rows)
+            picked = [r for _, r in sampling]
+            # Decode steps sample every row in order: no gathered copy of the logits then.
+            result = self.sampler(logits if picked == list(range(logits.shape[0])) else logits[picked], rows)
         token_for = {i: k for k, (i, _) in enumerate(sampling)}
         now = time.perf_counter()
         outputs: list[RequestOutput] = []

@@ -307,6 +307,7 @@ class BlockEmbedding(nn.Module):
         # Not in the state dict: filled from the file's blocks, not from a checkpoint.
         self.register_buffer("codes", codes.to(torch.int8).contiguous(), persistent=False)
         self.register_buffer("scales", scales.float().contiguous(), persistent=False)  # [vocab, hidden / 32]
+        self.lib = native.library()
 
     @property
     def nbytes(self) -> int:
@@ -315,6 +316,8 @@ class BlockEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [...] -> fp32 rows [..., hidden]."""
+        if self.lib is not None and ids.dim() == 1 and ids.device.type == "cpu":
+            return native.embed_q8(self.lib, self.codes, self.scales, ids)
         return rows_of(self.codes, self.scales, ids)
 
 

@@ -42,9 +42,9 @@ def portable(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 def test_portable_build_agrees_with_the_vectorized_one(lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     assert portable.nt_has_avx2() == 0
     gen = torch.Generator().manual_seed(0)
-    parts = [q4_weight(*regroup(torch.randn(40, 96, generator=gen))),
-             q8_weight(*q8_codes(None, None, torch.randn(24, 96, generator=gen))),
-             q8_weight(torch.randint(-32, 32, (8, 96), generator=gen, dtype=torch.int8), torch.rand(8, 6) / 10)]
+    parts = [q4_weight(*regroup(torch.randn(43, 96, generator=gen))),  # rows past whole tiles of four
+             q8_weight(*q8_codes(None, None, torch.randn(21, 96, generator=gen))),
+             q8_weight(torch.randint(-32, 32, (7, 96), generator=gen, dtype=torch.int8), torch.rand(7, 6) / 10)]
     assert [p.kind for p in parts] == [Q4, Q8, Q8_HALVES]
     for rows in (1, 3, 6):
         x = torch.randn(rows, 96, generator=gen)
@@ -104,9 +104,9 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
             assert out[:, 0].isnan().all() and out[:, 1 + n:].isnan().all()  # nothing written past the view
     # Block weights dequantized 16 rows at a time into the same GEMM: every format, within fp32 rounding of the
     # product over the dequantized weight.
-    parts = [q4_weight(*regroup(torch.randn(40, 96, generator=gen))),
+    parts = [q4_weight(*regroup(torch.randn(43, 96, generator=gen))),  # rows past whole tiles of four
              q8_weight(*q8_codes(None, None, torch.randn(21, 96, generator=gen))),
-             q8_weight(torch.randint(-32, 32, (8, 96), generator=gen, dtype=torch.int8), torch.rand(8, 6) / 10)]
+             q8_weight(torch.randint(-32, 32, (7, 96), generator=gen, dtype=torch.int8), torch.rand(7, 6) / 10)]
     for part in parts:
         unpacked = unpack_nibbles(part.qs).float() if part.kind == Q4 else part.qs.float()
         size = 16 if part.kind == Q8_HALVES else 32

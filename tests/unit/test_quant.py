@@ -91,9 +91,9 @@ def mixed_projection(seed: int = 0) -> tuple[BlockLinear, torch.Tensor]:
     """A fused projection of three parts: Q4 rows, Q8 rows and Q8-in-halves rows (as a Q4_K_M QKV can be)."""
     gen = torch.Generator().manual_seed(seed)
     cols = 96
-    q4 = regroup(torch.randn(40, cols, generator=gen))
-    q8 = q8_codes(None, None, torch.randn(24, cols, generator=gen))
-    halves = (torch.randint(-32, 32, (8, cols), generator=gen, dtype=torch.int8), torch.rand(8, cols // 16) / 10)
+    q4 = regroup(torch.randn(43, cols, generator=gen))  # 43, 21, 7: rows past whole tiles of four
+    q8 = q8_codes(None, None, torch.randn(21, cols, generator=gen))
+    halves = (torch.randint(-32, 32, (7, cols), generator=gen, dtype=torch.int8), torch.rand(7, cols // 16) / 10)
     dense = torch.cat((rebuild_q4(*q4), rebuild_q8(*q8), rebuild_q8(*halves)))
     parts = [q4_weight(*q4), q8_weight(*q8), q8_weight(*halves)]
     # The module keeps scales in fp16 (Q4, Q8) as the kernels read them: compare with those weights.

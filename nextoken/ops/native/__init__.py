@@ -175,6 +175,20 @@ def gated(lib: ctypes.CDLL, activation: int, gate: torch.Tensor, up: torch.Tenso
     return out
 
 
+_SIGNATURES["nt_embed_q8"] = (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr])
+
+
+def embed_q8(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [n] of a Q8 table (codes int8 [vocab, K], scales fp32 [vocab, K / 32], both contiguous) as fp32
+    [n, K]: the values torch's int8 * fp32 scale gives, in one call instead of five ops."""
+    ids = _indices(ids)
+    out = torch.empty(ids.shape[0], codes.shape[1])
+    if lib.nt_embed_q8(codes.data_ptr(), scales.data_ptr(), codes.shape[0], codes.shape[1], ids.data_ptr(),
+                       ids.shape[0], out.data_ptr()):
+        raise IndexError(f"token id out of range for a table of {codes.shape[0]} rows")
+    return out
+
+
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension of contiguous fp32 x [..., K]; with `residual` (x's shape), x += residual

@@ -56,8 +56,14 @@ int nt_has_avx2(void) {
 
 /* ------------------------------------------------- activation quantization */
 
-/* x [K] -> int16 codes, per block: d = absmax / 32767, s = d * sum(codes). Rounding error under 2e-5 of the
- * block's largest value: below fp32 matmul's own noise at these sizes, far below bf16's. */
+/* Where element j (0..31) of a block sits among the block's 32 stored activation codes: the even elements of each
+ * half, then the odd ones, [0 2 .. 14 | 16 18 .. 30 | 1 3 .. 15 | 17 19 .. 31]. Read as two vectors of 16 int16
+ * (A, B), those are the orders in which a weight block's codes come out of a 128-bit lane with no shuffle across
+ * lanes: Q4 nibbles by a shift and a mask per 32-bit word (unpack_block), int8 codes by shifts per 16-bit word. */
+static inline int64_t code_at(int64_t j) { return (j & 1) * 16 + (j >> 4) * 8 + ((j & 15) >> 1); }
+
+/* x [K] -> int16 codes (in code_at order), per block: d = absmax / 32767, s = d * sum(codes). Rounding error under
+ * 2e-5 of the block's largest value: below fp32 matmul's own noise at these sizes, far below bf16's. */
 static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
@@ -67,8 +73,9 @@ static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, floa
         const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
-            q[b * QK + i] = (int16_t)nearbyintf(xb[i] * inv);
-            sum += q[b * QK + i];
+            const int16_t code = (int16_t)nearbyintf(xb[i] * inv);
+            q[b * QK + code_at(i)] = code;
+            sum += code;
         }
         d[b] = db;
         s[b] = db * (float)sum;
@@ -129,7 +136,7 @@ static inline __m256 exp_ps(__m256 x) {
 
 /* ------------------------------------------------------------ block scales */
 
-#define TILE 4          /* activation rows sharing one widened weight block */
+#define TILE 4          /* outputs of one tile: activation rows times weight rows */
 #define MAX_GROUPS 1024 /* blocks per row: input sizes up to 32768 */
 
 /* prod[g] = h[g] * x[g] for fp16 h; returns sum of h[g] * y[g] when y is given. */
@@ -156,112 +163,140 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
 /* ------------------------------------------------------ block products */
 
 /* Weight formats (kind):
- *   4 (Q4): qs uint8 [N, K / 2] nibbles, d and m fp16 [N, K / 32]; w = d * q + m.
+ *   4 (Q4): qs uint8 [N, K / 2] nibbles, d and m fp16 [N, K / 32]; w = d * q + m. Byte j of a block holds element j
+ *     in its low nibble and element j + 16 in its high one (GGML's order).
  *   8 (Q8): qs int8 [N, K], d fp16 [N, K / 32]; w = d * q.
  *   6 (Q8 in halves): qs int8 [N, K], d fp32 [N, K / 16]; w = d * q. Holds a Q6_K block exactly (its 16-value
  *     sub-blocks' scales, d * sc, need more bits than fp16 has; codes -32..31).
  * Activations are quantized to int16 blocks of 32; weights are widened to int16, so each block is two 16-bit
  * multiply-add instructions per row and the result is within 2e-5 of an fp32 matmul over the dequantized weight.
  * Per weight row, the products of weight and activation block scales are formed first (vectorized), so the inner
- * loop is integer products and one multiply-add per half block. Inlined for each constant T (rows sharing one
- * widened weight block), so that the accumulators stay in registers. */
+ * loop is integer products and one multiply-add per block. Inlined for each constant shape (T activation rows by R
+ * weight rows), so that the accumulators stay in registers. */
 #ifdef NT_AVX2
-/* One weight block (g) into accumulator `which` of each of the T rows. */
-static inline __attribute__((always_inline)) void block_step(int kind, int halves, const quantized_rows *x, int64_t r0,
-                                                             const int T, int64_t K, const void *qs, int64_t n,
-                                                             int64_t g, float scale[][2 * MAX_GROUPS],
-                                                             __m256 acc[][2], const int which) {
-    __m256i w0, w1;
+/* Block g of weight row n as two int16 vectors in the activations' order (code_at): A holds the even elements of
+ * each half, B the odd ones; lane 0 is the first half, lane 1 the second. Q4: both lanes hold the 16 bytes, shifted
+ * per lane by 0 / 4 (A) and 8 / 12 (B) bits and masked to one nibble per 16-bit word. int8: the low byte of each
+ * 16-bit word sign-extended (A) and the high one (B). */
+static inline __attribute__((always_inline)) void unpack_block(int kind, const void *qs, int64_t n, int64_t K,
+                                                               int64_t g, __m256i *a, __m256i *b) {
     if (kind == 4) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16));
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, _mm_set1_epi8(0x0F)));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F)));
+        const __m256i bytes = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16)));
+        const __m256i nibble = _mm256_set1_epi32(0x000F000F);
+        *a = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibble);
+        *b = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), nibble);
     } else {
-        const int8_t *b = (const int8_t *)qs + n * K + g * QK;
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 16)));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const int8_t *)qs + n * K + g * QK));
+        *a = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
+        *b = _mm256_srai_epi16(v, 8);
     }
-    for (int i = 0; i < T; i++) {
-        const int16_t *a = x->q + (r0 + i) * K + g * QK;
-        const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256((const __m256i *)a));
-        const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256((const __m256i *)(a + 16)));
-        if (halves == 2) {
-            acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[i][2 * g]),
-                                            acc[i][which]);
-            acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&scale[i][2 * g + 1]),
-                                            acc[i][which]);
-        } else {
-            acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                            _mm256_broadcast_ss(&scale[i][g]), acc[i][which]);
-        }
-    }
+}
+
+static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 #endif
 
+/* Scales for weight row n and activation row r: scale[g] = d_w[g] * d_x[g] (kind 6: per half block, [2g], [2g + 1]);
+ * returns the row's Q4 offset term sum_g m[g] * s_x[g] (0 for the int8 kinds). */
+static inline float row_scales(int kind, const quantized_rows *x, int64_t r, int64_t groups, const void *wd,
+                               const uint16_t *wm, int64_t n, float *scale) {
+    const float *xd = x->d + r * groups;
+    if (kind == 6) {
+        const float *d = (const float *)wd + n * 2 * groups;
+        for (int64_t g = 0; g < groups; g++) {
+            scale[2 * g] = d[2 * g] * xd[g];
+            scale[2 * g + 1] = d[2 * g + 1] * xd[g];
+        }
+    } else {
+        half_scale((const uint16_t *)wd + n * groups, xd, NULL, groups, scale);
+    }
+    return kind == 4 ? half_scale(wm + n * groups, NULL, x->s + r * groups, groups, NULL) : 0.0f;
+}
+
+/* out[r0 + i, n + j] for i < T, j < R. One activation row meets four weight rows at a time (R = 4): its codes are
+ * loaded once per block for the four, whose four sums are independent chains of multiply-adds. Several activation
+ * rows (T > 1) instead share one unpacked weight block (R = 1), with two chains per row (even and odd blocks). */
 static inline __attribute__((always_inline)) void tile(int kind, const quantized_rows *x, int64_t r0, const int T,
-                                                       int64_t K, const void *qs, const void *wd,
-                                                       const uint16_t *wm, int64_t n0, int64_t n1, float *out,
-                                                       int64_t ldo) {
+                                                       const int R, int64_t K, const void *qs, const void *wd,
+                                                       const uint16_t *wm, int64_t n, float *out, int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
-    float scale[TILE][2 * MAX_GROUPS];
+    float scale[TILE][2 * MAX_GROUPS], offset[TILE];
+    for (int i = 0; i < T; i++)
+        for (int j = 0; j < R; j++) offset[i * R + j] = row_scales(kind, x, r0 + i, groups, wd, wm, n + j, scale[i * R + j]);
+#ifdef NT_AVX2
+    /* The weight rows after the next R, into cache while these are computed: the hardware prefetcher alone left a
+     * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows past
+     * the end need no check. */
     const int64_t row_bytes = kind == 4 ? K / 2 : K;
-    for (int64_t n = n0; n < n1; n++) {
-#ifdef NT_AVX2
-        /* The weight row after next, into cache while this one is computed: the hardware prefetcher alone left a
-         * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so
-         * the rows past the end need no check. */
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch((const char *)qs + (n + 2) * row_bytes + b, _MM_HINT_T0);
-#endif
-        float offset[TILE] = {0};
+    for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
+    const int chains = T * R < 4 ? 2 : 1; /* accumulators per output: enough independent multiply-adds in flight */
+    __m256 acc[TILE][2];
+    for (int k = 0; k < T * R; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const int which = chains == 2 ? (int)(g & 1) : 0;
+        __m256i xa[TILE], xb[TILE];
         for (int i = 0; i < T; i++) {
-            const int64_t r = r0 + i;
-            const float *xd = x->d + r * groups;
-            if (kind == 6) {
-                const float *d = (const float *)wd + n * 2 * groups;
-                for (int64_t g = 0; g < groups; g++) {
-                    scale[i][2 * g] = d[2 * g] * xd[g];
-                    scale[i][2 * g + 1] = d[2 * g + 1] * xd[g];
-                }
-            } else {
-                half_scale((const uint16_t *)wd + n * groups, xd, NULL, groups, scale[i]);
+            const int16_t *a = x->q + (r0 + i) * K + g * QK;
+            xa[i] = _mm256_loadu_si256((const __m256i *)a);
+            xb[i] = _mm256_loadu_si256((const __m256i *)(a + 16));
+        }
+        for (int j = 0; j < R; j++) {
+            __m256i wa, wb;
+            unpack_block(kind, qs, n + j, K, g, &wa, &wb);
+            for (int i = 0; i < T; i++) {
+                const int k = i * R + j;
+                /* lanes 0-3: sums over the block's first half, 4-7: the second */
+                const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
+                                                                     _mm256_madd_epi16(wb, xb[i])));
+                const __m256 sc = halves == 2 ? _mm256_set_m128(_mm_broadcast_ss(&scale[k][2 * g + 1]),
+                                                                _mm_broadcast_ss(&scale[k][2 * g]))
+                                              : _mm256_broadcast_ss(&scale[k][g]);
+                acc[k][which] = _mm256_fmadd_ps(p, sc, acc[k][which]);
             }
-            if (kind == 4) offset[i] = half_scale(wm + n * groups, NULL, x->s + r * groups, groups, NULL);
         }
-#ifdef NT_AVX2
-        /* Two accumulators per row, for even and odd blocks, so that a row's multiply-adds do not all wait on one
-         * chain (a few percent at batch 1 on AVX2). */
-        __m256 acc[TILE][2];
-        for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-        int64_t g = 0;
-        for (; g + 2 <= groups; g += 2) {
-            block_step(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
-            block_step(kind, halves, x, r0, T, K, qs, n, g + 1, scale, acc, 1);
-        }
-        if (g < groups) block_step(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
-        for (int i = 0; i < T; i++) out[(r0 + i) * ldo + n] = hsum_ps(_mm256_add_ps(acc[i][0], acc[i][1])) + offset[i];
-#else
+    }
+    if (R == 4) {
         for (int i = 0; i < T; i++) {
-            const int16_t *a = x->q + (r0 + i) * K;
+            const __m128 sums = hsum4_ps(_mm256_add_ps(acc[i * R][0], acc[i * R][1]),
+                                         _mm256_add_ps(acc[i * R + 1][0], acc[i * R + 1][1]),
+                                         _mm256_add_ps(acc[i * R + 2][0], acc[i * R + 2][1]),
+                                         _mm256_add_ps(acc[i * R + 3][0], acc[i * R + 3][1]));
+            _mm_storeu_ps(out + (r0 + i) * ldo + n, _mm_add_ps(sums, _mm_loadu_ps(offset + i * R)));
+        }
+    } else {
+        for (int i = 0; i < T; i++)
+            for (int j = 0; j < R; j++)
+                out[(r0 + i) * ldo + n + j] = hsum_ps(_mm256_add_ps(acc[i * R + j][0], acc[i * R + j][1])) +
+                                              offset[i * R + j];
+    }
+#else
+    for (int i = 0; i < T; i++) {
+        const int16_t *a = x->q + (r0 + i) * K;
+        for (int j = 0; j < R; j++) {
+            const int k = i * R + j;
             float acc = 0.0f;
             for (int64_t g = 0; g < groups; g++) {
                 int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
-                for (int j = 0; j < QK; j++) {
+                for (int e = 0; e < QK; e++) {
                     int w;
                     if (kind == 4) {
-                        const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + g * 16 + j % 16];
-                        w = j < 16 ? byte & 0x0F : byte >> 4;
+                        const uint8_t byte = ((const uint8_t *)qs)[(n + j) * (K / 2) + g * 16 + e % 16];
+                        w = e < 16 ? byte & 0x0F : byte >> 4;
                     } else {
-                        w = ((const int8_t *)qs)[n * K + g * QK + j];
+                        w = ((const int8_t *)qs)[(n + j) * K + g * QK + e];
                     }
-                    sum[j / 16] += w * a[g * QK + j];
+                    sum[e / 16] += w * a[g * QK + code_at(e)];
                 }
-                if (halves == 2) acc += (float)sum[0] * scale[i][2 * g] + (float)sum[1] * scale[i][2 * g + 1];
-                else acc += (float)(sum[0] + sum[1]) * scale[i][g];
+                if (halves == 2) acc += (float)sum[0] * scale[k][2 * g] + (float)sum[1] * scale[k][2 * g + 1];
+                else acc += (float)(sum[0] + sum[1]) * scale[k][g];
             }
-            out[(r0 + i) * ldo + n] = acc + offset[i];
+            out[(r0 + i) * ldo + n + j] = acc + offset[k];
         }
-#endif
     }
+#endif
 }
 
 /* Split weight rows across threads in chunks of 16 (whole cache lines of output for every thread). */
@@ -280,13 +315,23 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
         for (int64_t r0 = 0; r0 < M; r0 += TILE) {
             const int64_t t = M - r0 < TILE ? M - r0 : TILE;
-#define NT_TILE(T)                                                                \
-    case T:                                                                        \
-        if (kind == 4) tile(4, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);         \
-        else if (kind == 8) tile(8, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);    \
-        else tile(6, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                   \
-        break;
-            switch (t) { NT_TILE(1) NT_TILE(2) NT_TILE(3) NT_TILE(4) }
+#define NT_TILE(T, R)                                                                          \
+    if (kind == 4) tile(4, &xq, r0, T, R, K, qs, d, m, n, out, ldo);                            \
+    else if (kind == 8) tile(8, &xq, r0, T, R, K, qs, d, m, n, out, ldo);                       \
+    else tile(6, &xq, r0, T, R, K, qs, d, m, n, out, ldo);
+            int64_t n = n0;
+            if (t == 1) { /* one row: four weight rows at a time, then the rest one by one */
+                for (; n + 4 <= n1; n += 4) { NT_TILE(1, 4) }
+                for (; n < n1; n++) { NT_TILE(1, 1) }
+            } else {
+                for (; n < n1; n++) {
+                    switch (t) {
+                    case 2: NT_TILE(2, 1) break;
+                    case 3: NT_TILE(3, 1) break;
+                    default: NT_TILE(4, 1) break;
+                    }
+                }
+            }
 #undef NT_TILE
         }
     }
@@ -478,6 +523,22 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
 
 /* ----------------------------------------------------------------- RMSNorm */
 
+/* out [n, K] = rows ids[0..n) of a Q8 table: int8 codes [vocab, K] times fp32 scales [vocab, K / 32] (one rounding,
+ * as the file's dequantization). Returns -1 for an id outside [0, vocab). */
+int nt_embed_q8(const int8_t *codes, const float *scales, int64_t vocab, int64_t K, const int64_t *ids, int64_t n,
+                float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= vocab) return -1;
+    for (int64_t i = 0; i < n; i++) {
+        const int8_t *c = codes + ids[i] * K;
+        const float *d = scales + ids[i] * (K / QK);
+        for (int64_t g = 0; g < K / QK; g++)
+#pragma omp simd
+            for (int j = 0; j < QK; j++) out[i * K + g * QK + j] = (float)c[g * QK + j] * d[g];
+    }
+    return 0;
+}
+
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, over M rows of K; with `residual`, first x[r] += residual[r] (in
  * place: the updated residual stream stays in x). */
 void nt_rms_norm(float *x, const float *residual, const float *w, float *out, int64_t M, int64_t K, float eps) {
@@ -617,12 +678,26 @@ static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
 /* attend() for head sizes that are a multiple of 8, eight positions at a time: their keys (or values) as fp32
  * pointers (converted into `row`, 8 x width floats, for narrow caches), scores of a head for all eight at once,
  * and each head's output accumulated in registers over the eight. */
+#define PREFETCH_TOKENS 16 /* how far ahead attend8 requests the next tokens' keys and values */
+
+/* Requests into cache the stored rows (width values each) of the tokens at[from..to) (clipped to count): the cache's
+ * blocks are scattered, and the prefetcher alone fetched a cold context at a third of the memory's bandwidth. */
+static inline void prefetch_tokens(const kv_store *s, const int64_t *at, int64_t from, int64_t to, int64_t count,
+                                   int64_t D, int64_t width) {
+    const int64_t size = s->kind == 0 ? 4 : s->kind == 1 ? 2 : 1;
+    for (int64_t j = from; j < to && j < count; j++) {
+        const char *p = (const char *)s->data + at[j] * D * size;
+        for (int64_t b = 0; b < width * size; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    }
+}
+
 static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, const kv_store *ks,
                     const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count, float scale,
                     float *scores, float *row, const int64_t *at) {
     const float *rows[8], *heads_at[8];
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const int64_t nb = count - j0 < 8 ? count - j0 : 8;
+        prefetch_tokens(ks, at, j0 + PREFETCH_TOKENS, j0 + PREFETCH_TOKENS + 8, count, D, width);
         for (int64_t i = 0; i < 8; i++) rows[i] = token_kv(ks, at[j0 + (i < nb ? i : 0)] * D, width, row + i * width);
         for (int64_t h = 0; h < heads; h++) {
             for (int i = 0; i < 8; i++) heads_at[i] = rows[i] + (h / rep) * D;
@@ -635,12 +710,35 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
     for (int64_t j0 = 0; j0 < count; j0 += 8) {
         const int64_t nb = count - j0 < 8 ? count - j0 : 8;
+        prefetch_tokens(vs, at, j0 + PREFETCH_TOKENS, j0 + PREFETCH_TOKENS + 8, count, D, width);
         for (int64_t i = 0; i < nb; i++) rows[i] = token_kv(vs, at[j0 + i] * D, width, row + i * width);
         for (int64_t h = 0; h < heads; h++) {
             const float *w = scores + h * count + j0;
             const int64_t off = (h / rep) * D;
             float *o = out + h * D;
-            for (int64_t d = 0; d < D; d += 64) { /* up to 8 registers of the output at a time */
+            int64_t d = 0;
+            for (; d + 64 <= D; d += 64) { /* 64 outputs at a time in 8 named registers (an array spills) */
+                __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8), a2 = _mm256_loadu_ps(o + d + 16),
+                       a3 = _mm256_loadu_ps(o + d + 24), a4 = _mm256_loadu_ps(o + d + 32),
+                       a5 = _mm256_loadu_ps(o + d + 40), a6 = _mm256_loadu_ps(o + d + 48),
+                       a7 = _mm256_loadu_ps(o + d + 56);
+                for (int64_t i = 0; i < nb; i++) {
+                    const __m256 wi = _mm256_set1_ps(w[i]);
+                    const float *value = rows[i] + off + d;
+                    a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value), a0);
+                    a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 8), a1);
+                    a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 16), a2);
+                    a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 24), a3);
+                    a4 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 32), a4);
+                    a5 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 40), a5);
+                    a6 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 48), a6);
+                    a7 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 56), a7);
+                }
+                _mm256_storeu_ps(o + d, a0), _mm256_storeu_ps(o + d + 8, a1), _mm256_storeu_ps(o + d + 16, a2);
+                _mm256_storeu_ps(o + d + 24, a3), _mm256_storeu_ps(o + d + 32, a4), _mm256_storeu_ps(o + d + 40, a5);
+                _mm256_storeu_ps(o + d + 48, a6), _mm256_storeu_ps(o + d + 56, a7);
+            }
+            for (; d < D; d += 64) { /* the rest: up to 8 registers */
                 const int64_t nv = (D - d) / 8 < 8 ? (D - d) / 8 : 8;
                 __m256 acc[8];
                 for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(o + d + 8 * v);
@@ -704,7 +802,12 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
                             const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                             int64_t window, int threads) {
     if (c->kind == 2 && D % QK) return -1;
-    const int64_t parts = n >= threads ? 1 : threads;
+    /* parts per sequence: as many as threads where there are fewer sequences, but none under SPLIT_MIN positions */
+    int64_t longest = 0;
+    for (int64_t i = 0; i < n && n < threads; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
+    if (window > 0 && longest > window) longest = window;
+    const int64_t wanted = (longest + SPLIT_MIN - 1) / SPLIT_MIN;
+    const int64_t parts = n >= threads ? 1 : wanted < threads ? (wanted > 1 ? wanted : 1) : threads;
     /* per (sequence, part): heads * D outputs, heads maxima and sums */
     float *partial = parts > 1 ? malloc((size_t)(n * parts * heads * (D + 2)) * sizeof(float)) : NULL;
     if (parts > 1 && !partial) return -1;
