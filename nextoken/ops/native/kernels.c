@@ -558,6 +558,8 @@ void nt_rms_norm(float *x, const float *residual, const float *w, float *out, in
 
 /* ------------------------------------------------------- decode attention */
 
+#define ATT_GROUP 32 /* positions attend8 takes at a time: their rows as pointers (or converted), scores per head */
+
 /* Key/value rows of a paged cache [num_blocks, block_size, kv_heads, head_dim] stored as fp32 (0), bf16 (1) or int8
  * (2, with fp16 scales [num_blocks, block_size, kv_heads, head_dim / 32]). */
 typedef struct {
@@ -675,13 +677,9 @@ static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* attend() for head sizes that are a multiple of 8, eight positions at a time: their keys (or values) as fp32
- * pointers (converted into `row`, 8 x width floats, for narrow caches), scores of a head for all eight at once,
- * and each head's output accumulated in registers over the eight. */
-#define PREFETCH_TOKENS 16 /* how far ahead attend8 requests the next tokens' keys and values */
 
-/* Requests into cache the stored rows (width values each) of the tokens at[from..to) (clipped to count): the cache's
- * blocks are scattered, and the prefetcher alone fetched a cold context at a third of the memory's bandwidth. */
+/* Requests into cache the stored rows (width values each) of the tokens at[from..to) (clipped to count): the
+ * cache's blocks are scattered, and a cold context was read at a third of the memory's bandwidth without this. */
 static inline void prefetch_tokens(const kv_store *s, const int64_t *at, int64_t from, int64_t to, int64_t count,
                                    int64_t D, int64_t width) {
     const int64_t size = s->kind == 0 ? 4 : s->kind == 1 ? 2 : 1;
@@ -691,63 +689,75 @@ static inline void prefetch_tokens(const kv_store *s, const int64_t *at, int64_t
     }
 }
 
+/* o[0:64] += sum_i w[i] * rows[i][0:64] over n rows, the 64 outputs in 8 named registers (an array spills). */
+static inline void weighted_sum64(float *o, const float *const *rows, int64_t off, const float *w, int64_t n) {
+    __m256 a0 = _mm256_loadu_ps(o), a1 = _mm256_loadu_ps(o + 8), a2 = _mm256_loadu_ps(o + 16),
+           a3 = _mm256_loadu_ps(o + 24), a4 = _mm256_loadu_ps(o + 32), a5 = _mm256_loadu_ps(o + 40),
+           a6 = _mm256_loadu_ps(o + 48), a7 = _mm256_loadu_ps(o + 56);
+    for (int64_t i = 0; i < n; i++) {
+        const __m256 wi = _mm256_broadcast_ss(w + i);
+        const float *value = rows[i] + off;
+        a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value), a0);
+        a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 8), a1);
+        a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 16), a2);
+        a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 24), a3);
+        a4 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 32), a4);
+        a5 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 40), a5);
+        a6 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 48), a6);
+        a7 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 56), a7);
+    }
+    _mm256_storeu_ps(o, a0), _mm256_storeu_ps(o + 8, a1), _mm256_storeu_ps(o + 16, a2);
+    _mm256_storeu_ps(o + 24, a3), _mm256_storeu_ps(o + 32, a4), _mm256_storeu_ps(o + 40, a5);
+    _mm256_storeu_ps(o + 48, a6), _mm256_storeu_ps(o + 56, a7);
+}
+
+/* attend() for head sizes that are a multiple of 8, ATT_GROUP positions at a time: their keys (or values) as fp32
+ * pointers (converted into `row`, ATT_GROUP x width floats, for narrow caches); scores of a head eight positions at
+ * once; each head's output accumulated in registers over the whole group. The next group's rows are requested
+ * while one is computed. */
 static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, const kv_store *ks,
                     const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count, float scale,
                     float *scores, float *row, const int64_t *at) {
-    const float *rows[8], *heads_at[8];
-    for (int64_t j0 = 0; j0 < count; j0 += 8) {
-        const int64_t nb = count - j0 < 8 ? count - j0 : 8;
-        prefetch_tokens(ks, at, j0 + PREFETCH_TOKENS, j0 + PREFETCH_TOKENS + 8, count, D, width);
-        for (int64_t i = 0; i < 8; i++) rows[i] = token_kv(ks, at[j0 + (i < nb ? i : 0)] * D, width, row + i * width);
+    const float *rows[ATT_GROUP + 8], *heads_at[8];
+    const __m256 sv = _mm256_set1_ps(scale);
+    for (int64_t j0 = 0; j0 < count; j0 += ATT_GROUP) {
+        const int64_t ng = count - j0 < ATT_GROUP ? count - j0 : ATT_GROUP;
+        prefetch_tokens(ks, at, j0 + ATT_GROUP, j0 + 2 * ATT_GROUP, count, D, width);
+        for (int64_t i = 0; i < ng; i++) rows[i] = token_kv(ks, at[j0 + i] * D, width, row + i * width);
+        for (int64_t i = ng; i < (ng + 7) / 8 * 8; i++) rows[i] = rows[0]; /* a last partial eight: scores unused */
         for (int64_t h = 0; h < heads; h++) {
-            for (int i = 0; i < 8; i++) heads_at[i] = rows[i] + (h / rep) * D;
-            float s[8];
-            _mm256_storeu_ps(s, _mm256_mul_ps(_mm256_set1_ps(scale), dots8(q + h * D, heads_at, D)));
-            memcpy(scores + h * count + j0, s, (size_t)nb * sizeof(float));
+            const int64_t off = (h / rep) * D;
+            float *sh = scores + h * count + j0;
+            for (int64_t i0 = 0; i0 < ng; i0 += 8) {
+                for (int i = 0; i < 8; i++) heads_at[i] = rows[i0 + i] + off;
+                const __m256 s8 = _mm256_mul_ps(sv, dots8(q + h * D, heads_at, D));
+                if (i0 + 8 <= ng) {
+                    _mm256_storeu_ps(sh + i0, s8);
+                } else {
+                    float s[8];
+                    _mm256_storeu_ps(s, s8);
+                    for (int64_t i = i0; i < ng; i++) sh[i] = s[i - i0];
+                }
+            }
         }
     }
     softmax_parts(scores, heads, count, max, sum);
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
-    for (int64_t j0 = 0; j0 < count; j0 += 8) {
-        const int64_t nb = count - j0 < 8 ? count - j0 : 8;
-        prefetch_tokens(vs, at, j0 + PREFETCH_TOKENS, j0 + PREFETCH_TOKENS + 8, count, D, width);
-        for (int64_t i = 0; i < nb; i++) rows[i] = token_kv(vs, at[j0 + i] * D, width, row + i * width);
+    for (int64_t j0 = 0; j0 < count; j0 += ATT_GROUP) {
+        const int64_t ng = count - j0 < ATT_GROUP ? count - j0 : ATT_GROUP;
+        prefetch_tokens(vs, at, j0 + ATT_GROUP, j0 + 2 * ATT_GROUP, count, D, width);
+        for (int64_t i = 0; i < ng; i++) rows[i] = token_kv(vs, at[j0 + i] * D, width, row + i * width);
         for (int64_t h = 0; h < heads; h++) {
             const float *w = scores + h * count + j0;
             const int64_t off = (h / rep) * D;
             float *o = out + h * D;
             int64_t d = 0;
-            for (; d + 64 <= D; d += 64) { /* 64 outputs at a time in 8 named registers (an array spills) */
-                __m256 a0 = _mm256_loadu_ps(o + d), a1 = _mm256_loadu_ps(o + d + 8), a2 = _mm256_loadu_ps(o + d + 16),
-                       a3 = _mm256_loadu_ps(o + d + 24), a4 = _mm256_loadu_ps(o + d + 32),
-                       a5 = _mm256_loadu_ps(o + d + 40), a6 = _mm256_loadu_ps(o + d + 48),
-                       a7 = _mm256_loadu_ps(o + d + 56);
-                for (int64_t i = 0; i < nb; i++) {
-                    const __m256 wi = _mm256_set1_ps(w[i]);
-                    const float *value = rows[i] + off + d;
-                    a0 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value), a0);
-                    a1 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 8), a1);
-                    a2 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 16), a2);
-                    a3 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 24), a3);
-                    a4 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 32), a4);
-                    a5 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 40), a5);
-                    a6 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 48), a6);
-                    a7 = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 56), a7);
-                }
-                _mm256_storeu_ps(o + d, a0), _mm256_storeu_ps(o + d + 8, a1), _mm256_storeu_ps(o + d + 16, a2);
-                _mm256_storeu_ps(o + d + 24, a3), _mm256_storeu_ps(o + d + 32, a4), _mm256_storeu_ps(o + d + 40, a5);
-                _mm256_storeu_ps(o + d + 48, a6), _mm256_storeu_ps(o + d + 56, a7);
-            }
-            for (; d < D; d += 64) { /* the rest: up to 8 registers */
-                const int64_t nv = (D - d) / 8 < 8 ? (D - d) / 8 : 8;
-                __m256 acc[8];
-                for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_loadu_ps(o + d + 8 * v);
-                for (int64_t i = 0; i < nb; i++) {
-                    const __m256 wi = _mm256_set1_ps(w[i]);
-                    const float *value = rows[i] + off + d;
-                    for (int64_t v = 0; v < nv; v++) acc[v] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(value + 8 * v), acc[v]);
-                }
-                for (int64_t v = 0; v < nv; v++) _mm256_storeu_ps(o + d + 8 * v, acc[v]);
+            for (; d + 64 <= D; d += 64) weighted_sum64(o + d, rows, off + d, w, ng);
+            for (; d < D; d += 8) { /* the rest, 8 at a time */
+                __m256 acc = _mm256_loadu_ps(o + d);
+                for (int64_t i = 0; i < ng; i++)
+                    acc = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i), _mm256_loadu_ps(rows[i] + off + d), acc);
+                _mm256_storeu_ps(o + d, acc);
             }
         }
     }
@@ -758,7 +768,8 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
  * `table`: query head h reads kv head h / (heads / kv_heads). Positions are visited once, all kv heads of a token
  * together (they are neighbours in the cache). Leaves out[h] = sum_p exp(s_p - max[h]) v_p unnormalized, with
  * max[h] and sum[h] = sum_p exp(s_p - max[h]), so that parts of one sequence's positions can be merged.
- * `scores` has room for heads * (len - first) floats, `row` for kv_heads * D, `at` for len - first indices. */
+ * `scores` has room for heads * (len - first) floats, `row` for ATT_GROUP * kv_heads * D, `at` for len - first
+ * indices. */
 static void attend(const float *q, float *out, float *max, float *sum, int64_t heads, const nt_cache *c,
                    int64_t kv_heads, int64_t D, const int64_t *table, int64_t first, int64_t len, float scale,
                    float *scores, float *row, int64_t *at) {
@@ -832,13 +843,13 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
         }
         /* cache rows of the positions, then scores, a converted row, and (one part) the maxima and sums */
         int64_t *rows_at = malloc((size_t)count * sizeof(int64_t) +
-                                  (size_t)(count * heads + 8 * kv_heads * D + 2 * heads) * sizeof(float));
+                                  (size_t)(count * heads + ATT_GROUP * kv_heads * D + 2 * heads) * sizeof(float));
         if (!rows_at) {
             failed = 1;
             continue;
         }
         float *scores = (float *)(rows_at + count), *row = scores + count * heads;
-        float *max = parts > 1 ? o + heads * D : row + 8 * kv_heads * D, *sum = max + heads;
+        float *max = parts > 1 ? o + heads * D : row + ATT_GROUP * kv_heads * D, *sum = max + heads;
         attend(q + at, o, max, sum, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
                first, last, scale, scores, row, rows_at);
         if (parts == 1) {
