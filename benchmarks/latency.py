@@ -1,12 +1,15 @@
 """Single-request latency: prefill tokens/s (one 512-token prompt) and decode tokens/s (128 tokens, batch 1).
 
 Run: .venv/bin/python -m benchmarks.latency [--weights fp32 bf16 int8 int4] [--kv-dtypes fp32 bf16 int8]
-     [--models ...] [--repeats N]
+     [--models ...] [--repeats N] [--llama-bench PATH]
 Both go through the engine exactly as a user's request does. Prefill is timed from scheduling to the first token
-(one forward pass over 512 tokens plus sampling); decode from the first token to the 128th. Medians of N runs, the
-prefix cache off so every run computes its whole prompt. Printed beside ANCHORS.md's figures with ratios; the first
-weight format (fp32) is the in-run baseline for the others. Then each KV cache format with the default weights:
-decode tok/s over the same 512-token context, and how many tokens a 1 GiB pool holds.
+(one forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that
+512-token prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians
+of N runs, the prefix cache off so every run computes its whole prompt. Printed beside ANCHORS.md's figures with
+ratios; the first weight format (fp32) is the in-run baseline for the others. With --llama-bench (a llama-bench
+binary the user built), llama.cpp runs on the same GGUF file in the same run (`-p 512 -n 128`, the machine's thread
+count) and the ratios to it are printed too. Then each KV cache format with the default weights: decode tok/s over
+the same 512-token context, and how many tokens a 1 GiB pool holds.
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 from pathlib import Path
+
+import torch
 
 from benchmarks.common import ANCHORS, save, versus
 from nextoken import LLM, SamplingParams
+from nextoken.loader.registry import resolve_model
 
 TEXTS = Path(__file__).parent.parent / "tests" / "data" / "reference" / "prompts.json"
 
@@ -35,15 +42,33 @@ def measure(llm: LLM, repeats: int, prompt_len: int = 512, decode_len: int = 128
     ids = prompt_ids(llm, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=decode_len, ignore_eos=True)
     llm.generate(ids[:64], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
-    prefill, decode, ttft = [], [], []
+    # From an empty context: the prompt's one token is the first decode step; then decode_len more.
+    empty = SamplingParams(temperature=0, max_tokens=decode_len + 1, ignore_eos=True)
+    prefill, decode, ttft, decode_empty = [], [], [], []
     for _ in range(repeats):
         out = llm.generate(ids, params, use_tqdm=False)[0]
         assert len(out.token_ids) == decode_len
         prefill.append(out.timings["prefill_tokens_per_s"])
         decode.append(out.timings["decode_tokens_per_s"])
         ttft.append(out.timings["time_to_first_token_s"])
+        decode_empty.append(llm.generate(ids[:1], empty, use_tqdm=False)[0].timings["decode_tokens_per_s"])
     return {"prefill_tok_s": statistics.median(prefill), "decode_tok_s": statistics.median(decode),
-            "ttft_s": statistics.median(ttft)}
+            "decode_empty_tok_s": statistics.median(decode_empty), "ttft_s": statistics.median(ttft)}
+
+
+def llama_bench(binary: str, model: str, threads: int) -> dict[str, float]:
+    """llama.cpp's pp512 and tg128 (tok/s, mean of 3) on the same file, from its JSON output."""
+    cmd = [binary, "-m", str(resolve_model(model)), "-p", "512", "-n", "128", "-t", str(threads), "-r", "3",
+           "-o", "json"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError(f"llama-bench failed: {result.stderr.strip()[-500:]}")
+    figures = {}
+    for test in json.loads(result.stdout):
+        key = "prefill_512" if test["n_prompt"] and not test["n_gen"] else "decode_1" if test["n_gen"] else None
+        if key:
+            figures[key] = float(test["avg_ts"])
+    return figures
 
 
 def main() -> None:
@@ -52,10 +77,19 @@ def main() -> None:
     parser.add_argument("--weights", nargs="*", default=["fp32", "bf16", "int8", "int4"])
     parser.add_argument("--kv-dtypes", nargs="*", default=["fp32", "bf16", "int8"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama-bench", help="a llama-bench binary: run llama.cpp on the same file in this run")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
     for name in args.models:
         baseline: dict[str, float] | None = None
+        anchors = {key: dict(value) for key, value in ANCHORS[name].items()}
+        if args.llama_bench:
+            measured = llama_bench(args.llama_bench, name, torch.get_num_threads())
+            results[f"{name}/llama.cpp"] = measured
+            print(f"{name} llama.cpp, this run: prefill 512 {measured['prefill_512']:.1f} tok/s, "
+                  f"tg128 {measured['decode_1']:.1f} tok/s")
+            for key, value in measured.items():
+                anchors[key] = {"llama.cpp this run": value, **anchors[key]}
         for dtype in args.weights:
             try:
                 llm = LLM(name, weights=dtype, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
@@ -65,11 +99,13 @@ def main() -> None:
             r = measure(llm, args.repeats)
             results[f"{name}/{dtype}"] = r
             baseline = baseline or r
-            anchors = ANCHORS[name]
             print(f"{name} {dtype}")
             print(f"  prefill 512: {r['prefill_tok_s']:8.1f} tok/s   vs {versus(r['prefill_tok_s'], anchors['prefill_512'])}"
                   f"; {r['prefill_tok_s'] / baseline['prefill_tok_s']:.2f}x {args.weights[0]}")
-            print(f"  decode   1: {r['decode_tok_s']:8.1f} tok/s   vs {versus(r['decode_tok_s'], anchors['decode_1'])}"
+            print(f"  decode   1, empty context (as tg128): {r['decode_empty_tok_s']:8.1f} tok/s   vs "
+                  f"{versus(r['decode_empty_tok_s'], anchors['decode_1'])}"
+                  f"; {r['decode_empty_tok_s'] / baseline['decode_empty_tok_s']:.2f}x {args.weights[0]}")
+            print(f"  decode   1, after the 512-token prompt: {r['decode_tok_s']:8.1f} tok/s"
                   f"; {r['decode_tok_s'] / baseline['decode_tok_s']:.2f}x {args.weights[0]}")
             del llm
         kv_baseline: dict[str, float] | None = None
