@@ -72,6 +72,65 @@ def test_top_p_over_candidates_and_whole_rows(monkeypatch: pytest.MonkeyPatch) -
         np.testing.assert_allclose(got[i], want, atol=1e-6)
 
 
+def test_candidate_rows_hold_the_filtered_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows the filters keep within their TOP_P_CANDIDATES largest logits (top-k, a nucleus or a min-p cut inside
+    them) get the reference's distribution from the candidates alone; rows that need the whole vocabulary (plain
+    temperature, a nucleus or min-p cut past the candidates, top-k past them) are reported as such."""
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    peaked = torch.randn(vocab, generator=gen) * 4
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    rows = [(peaked, 1.0, 0, 0.9, 0.0, True), (flat, 1.0, 0, 0.9, 0.0, False), (peaked, 0.7, 20, 0.5, 0.0, True),
+            (flat, 1.3, 40, 1.0, 0.0, True), (flat, 1.3, 500, 0.95, 0.0, False), (peaked, 1.0, 0, 1.0, 0.3, True),
+            (flat, 1.0, 0, 1.0, 0.3, False), (peaked, 1.2, 10, 0.8, 0.1, True), (peaked, 1.0, 0, 1.0, 0.0, False),
+            (flat, 0.05, 0, 0.4, 0.0, True),  # a low temperature sharpens a flat row into its candidates
+            (peaked, 1.0, 100, 0.9, 0.0, False),  # top-p over a top-k wider than the candidates
+            (peaked, 1.0, 100, 0.9, 0.5, False), (peaked, 1.0, 100, 1.0, 0.5, True)]  # with min-p
+    logits = torch.stack([r[0] for r in rows])
+    params = [torch.tensor([r[i] for r in rows]) for i in (1, 2, 3, 4)]
+    probs, ids, bounded = sampler_module.candidates(logits, *params)
+    assert bounded.tolist() == [r[5] for r in rows]
+    for i, (row, temperature, top_k, top_p, min_p, inside) in enumerate(rows):
+        if not inside:
+            continue
+        want = reference_distribution(row.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
+        got = np.zeros(vocab)
+        got[ids[i].numpy()] = probs[i].double().numpy()
+        assert ((got > 0) == (want > 0)).all(), f"row {i}: another set of tokens"
+        np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded request's tokens do not depend on the rows beside it, whether it draws from its candidates, from the
+    wider second set, or from its whole row, and whether its batch draws several ways; every draw is a token the
+    filters keep."""
+    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
+    monkeypatch.setattr(sampler_module, "WIDE_CANDIDATES", 256)
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(4, 3000, generator=gen) * torch.tensor([[4.0], [0.1], [2.0], [1.0]])
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=0, seed=3), SamplingParams(temperature=1.0, top_p=0.2, seed=4)]
+    # the last row's nucleus: past its 64 largest logits, within its 256 largest
+    wide = [torch.tensor([v]) for v in (1.0, 0, 0.2, 0.0)]
+    assert not sampler_module.candidates(logits[3:], *wide, count=64)[2].item()
+    assert sampler_module.candidates(logits[3:], *wide, count=256)[2].item()
+    sampler = Sampler()
+
+    def draw(which: list[int], seed: int) -> list[int]:
+        rows = [SamplingRow(params[i], torch.Generator().manual_seed(seed + i), [], []) for i in which]
+        return sampler(logits[which], rows).token_ids
+
+    for seed in range(0, 200, 10):
+        batched = draw([0, 1, 2, 3], seed)
+        assert batched == [draw([i], seed)[0] for i in range(4)]
+        assert batched[2] == int(logits[2].argmax())
+        for i in (0, 3):
+            p = params[i]
+            want = reference_distribution(logits[i].double().numpy(), p.temperature, p.top_k, p.top_p, p.min_p)
+            assert want[batched[i]] > 0
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.8, 4, 0.9)])
 def test_draws_follow_filtered_distribution(temperature: float, top_k: int, top_p: float) -> None:
     """20,000 draws; chi-square goodness of fit against the filtered distribution (p > 0.001)."""
