@@ -227,7 +227,7 @@ def _cost(console: Console, s: Summary) -> None:
                   _rate(s.decode_gbps, copy, "GB/s"))
     console.print(rates)
     if peaks:
-        console.print(f"machine peaks: {peaks.gemm_gflops:,.1f} GFLOP/s ({peaks.gemm_size}² GEMM), "
+        console.print(f"machine peaks: {peaks.gemm_gflops:,.1f} GFLOP/s ({peaks.gemm_size}² GEMM, {peaks.gemm_by}), "
                       f"{peaks.copy_gbps:,.1f} GB/s (copy); {'cached, ' if peaks.cached else ''}measured "
                       f"{peaks.measured_at} on {peaks.key}")
 
