@@ -216,6 +216,36 @@ static inline float row_scales(int kind, const quantized_rows *x, int64_t r, int
     return kind == 4 ? half_scale(wm + n * groups, NULL, x->s + r * groups, groups, NULL) : 0.0f;
 }
 
+#ifdef NT_AVX2
+/* Block g of weight rows n..n+R-1 against activation rows r0..r0+T-1, into accumulator `which` of each output. */
+static inline __attribute__((always_inline)) void block_into(int kind, int halves, const quantized_rows *x,
+                                                             int64_t r0, const int T, const int R, int64_t K,
+                                                             const void *qs, int64_t n, int64_t g,
+                                                             float scale[][2 * MAX_GROUPS], __m256 acc[][2],
+                                                             const int which) {
+    __m256i xa[TILE], xb[TILE];
+    for (int i = 0; i < T; i++) {
+        const int16_t *a = x->q + (r0 + i) * K + g * QK;
+        xa[i] = _mm256_loadu_si256((const __m256i *)a);
+        xb[i] = _mm256_loadu_si256((const __m256i *)(a + 16));
+    }
+    for (int j = 0; j < R; j++) {
+        __m256i wa, wb;
+        unpack_block(kind, qs, n + j, K, g, &wa, &wb);
+        for (int i = 0; i < T; i++) {
+            const int k = i * R + j;
+            /* lanes 0-3: sums over the block's first half, 4-7: the second */
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
+                                                                 _mm256_madd_epi16(wb, xb[i])));
+            const __m256 sc = halves == 2 ? _mm256_set_m128(_mm_broadcast_ss(&scale[k][2 * g + 1]),
+                                                            _mm_broadcast_ss(&scale[k][2 * g]))
+                                          : _mm256_broadcast_ss(&scale[k][g]);
+            acc[k][which] = _mm256_fmadd_ps(p, sc, acc[k][which]);
+        }
+    }
+}
+#endif
+
 /* out[r0 + i, n + j] for i < T, j < R. One activation row meets four weight rows at a time (R = 4): its codes are
  * loaded once per block for the four, whose four sums are independent chains of multiply-adds. Several activation
  * rows (T > 1) instead share one unpacked weight block (R = 1), with two chains per row (even and odd blocks). */
@@ -232,32 +262,16 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
      * the end need no check. */
     const int64_t row_bytes = kind == 4 ? K / 2 : K;
     for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
-    const int chains = T * R < 4 ? 2 : 1; /* accumulators per output: enough independent multiply-adds in flight */
     __m256 acc[TILE][2];
     for (int k = 0; k < T * R; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const int which = chains == 2 ? (int)(g & 1) : 0;
-        __m256i xa[TILE], xb[TILE];
-        for (int i = 0; i < T; i++) {
-            const int16_t *a = x->q + (r0 + i) * K + g * QK;
-            xa[i] = _mm256_loadu_si256((const __m256i *)a);
-            xb[i] = _mm256_loadu_si256((const __m256i *)(a + 16));
-        }
-        for (int j = 0; j < R; j++) {
-            __m256i wa, wb;
-            unpack_block(kind, qs, n + j, K, g, &wa, &wb);
-            for (int i = 0; i < T; i++) {
-                const int k = i * R + j;
-                /* lanes 0-3: sums over the block's first half, 4-7: the second */
-                const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
-                                                                     _mm256_madd_epi16(wb, xb[i])));
-                const __m256 sc = halves == 2 ? _mm256_set_m128(_mm_broadcast_ss(&scale[k][2 * g + 1]),
-                                                                _mm_broadcast_ss(&scale[k][2 * g]))
-                                              : _mm256_broadcast_ss(&scale[k][g]);
-                acc[k][which] = _mm256_fmadd_ps(p, sc, acc[k][which]);
-            }
+    int64_t g = 0;
+    if (T * R < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
+        for (; g + 2 <= groups; g += 2) {
+            block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
+            block_into(kind, halves, x, r0, T, R, K, qs, n, g + 1, scale, acc, 1);
         }
     }
+    for (; g < groups; g++) block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
     if (R == 4) {
         for (int i = 0; i < T; i++) {
             const __m128 sums = hsum4_ps(_mm256_add_ps(acc[i * R][0], acc[i * R][1]),
