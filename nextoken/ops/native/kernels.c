@@ -56,15 +56,16 @@ int nt_has_avx2(void) {
 
 /* ------------------------------------------------- activation quantization */
 
-/* Where element j (0..31) of a block sits among the block's 32 stored activation codes: the even elements of each
- * half, then the odd ones, [0 2 .. 14 | 16 18 .. 30 | 1 3 .. 15 | 17 19 .. 31]. Read as two vectors of 16 int16
- * (A, B), those are the orders in which a weight block's codes come out of a 128-bit lane with no shuffle across
- * lanes: Q4 nibbles by a shift and a mask per 32-bit word (unpack_block), int8 codes by shifts per 16-bit word. */
+/* Where element j (0..31) of a block sits among the block's 32 stored activation codes for Q4 weights: the even
+ * elements of each half, then the odd ones, [0 2 .. 14 | 16 18 .. 30 | 1 3 .. 15 | 17 19 .. 31]. Read as two vectors
+ * of 16 int16 (A, B), those are the orders in which a Q4 block's nibbles come out of a 128-bit lane by a shift and a
+ * mask per 32-bit word (unpack_q4), with no widening shuffle. int8 weights keep the natural order. */
 static inline int64_t code_at(int64_t j) { return (j & 1) * 16 + (j >> 4) * 8 + ((j & 15) >> 1); }
 
-/* x [K] -> int16 codes (in code_at order), per block: d = absmax / 32767, s = d * sum(codes). Rounding error under
- * 2e-5 of the block's largest value: below fp32 matmul's own noise at these sizes, far below bf16's. */
-static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s) {
+/* x [K] -> int16 codes (in code_at order where `q4_order`), per block: d = absmax / 32767, s = d * sum(codes).
+ * Rounding error under 2e-5 of the block's largest value: below fp32 matmul's own noise at these sizes, far below
+ * bf16's. */
+static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float *xb = x + b * QK;
         float max = 0.0f;
@@ -74,7 +75,7 @@ static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, floa
         int sum = 0;
         for (int i = 0; i < QK; i++) {
             const int16_t code = (int16_t)nearbyintf(xb[i] * inv);
-            q[b * QK + code_at(i)] = code;
+            q[b * QK + (q4_order ? code_at(i) : i)] = code;
             sum += code;
         }
         d[b] = db;
@@ -88,7 +89,7 @@ typedef struct {
     void *block;
 } quantized_rows;
 
-static int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, quantized_rows *out) {
+static int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_order, quantized_rows *out) {
     const int64_t groups = K / QK;
     out->block = malloc((size_t)(M * K * 2 + 2 * M * groups * (int64_t)sizeof(float)) + 64);
     if (!out->block) return -1;
@@ -96,7 +97,7 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, quan
     out->s = out->d + M * groups;
     out->q = (int16_t *)(out->s + M * groups);
     for (int64_t r = 0; r < M; r++)
-        quantize_row16(x + r * ldx, K, out->q + r * K, out->d + r * groups, out->s + r * groups);
+        quantize_row16(x + r * ldx, K, out->q + r * K, out->d + r * groups, out->s + r * groups, q4_order);
     return 0;
 }
 
@@ -174,23 +175,16 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
  * loop is integer products and one multiply-add per block. Inlined for each constant shape (T activation rows by R
  * weight rows), so that the accumulators stay in registers. */
 #ifdef NT_AVX2
-/* Block g of weight row n as two int16 vectors in the activations' order (code_at): A holds the even elements of
- * each half, B the odd ones; lane 0 is the first half, lane 1 the second. Q4: both lanes hold the 16 bytes, shifted
- * per lane by 0 / 4 (A) and 8 / 12 (B) bits and masked to one nibble per 16-bit word. int8: the low byte of each
- * 16-bit word sign-extended (A) and the high one (B). */
-static inline __attribute__((always_inline)) void unpack_block(int kind, const void *qs, int64_t n, int64_t K,
-                                                               int64_t g, __m256i *a, __m256i *b) {
-    if (kind == 4) {
-        const __m256i bytes = _mm256_broadcastsi128_si256(
-            _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16)));
-        const __m256i nibble = _mm256_set1_epi32(0x000F000F);
-        *a = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibble);
-        *b = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), nibble);
-    } else {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)((const int8_t *)qs + n * K + g * QK));
-        *a = _mm256_srai_epi16(_mm256_slli_epi16(v, 8), 8);
-        *b = _mm256_srai_epi16(v, 8);
-    }
+/* Block g of Q4 weight row n as two int16 vectors in the activations' order (code_at): A holds the even elements of
+ * each half, B the odd ones; lane 0 is the first half, lane 1 the second. Both lanes hold the 16 bytes, shifted per
+ * lane by 0 / 4 (A) and 8 / 12 (B) bits and masked to one nibble per 16-bit word. */
+static inline __attribute__((always_inline)) void unpack_q4(const void *qs, int64_t n, int64_t K, int64_t g,
+                                                            __m256i *a, __m256i *b) {
+    const __m256i bytes = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16)));
+    const __m256i nibble = _mm256_set1_epi32(0x000F000F);
+    *a = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibble);
+    *b = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), nibble);
 }
 
 static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -230,87 +224,107 @@ static inline __attribute__((always_inline)) void block_into(int kind, int halve
         xb[i] = _mm256_loadu_si256((const __m256i *)(a + 16));
     }
     for (int j = 0; j < R; j++) {
-        __m256i wa, wb;
-        unpack_block(kind, qs, n + j, K, g, &wa, &wb);
-        for (int i = 0; i < T; i++) {
-            const int k = i * R + j;
-            /* lanes 0-3: sums over the block's first half, 4-7: the second */
-            const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
-                                                                 _mm256_madd_epi16(wb, xb[i])));
-            const __m256 sc = halves == 2 ? _mm256_set_m128(_mm_broadcast_ss(&scale[k][2 * g + 1]),
-                                                            _mm_broadcast_ss(&scale[k][2 * g]))
-                                          : _mm256_broadcast_ss(&scale[k][g]);
-            acc[k][which] = _mm256_fmadd_ps(p, sc, acc[k][which]);
+        if (kind == 4) {
+            __m256i wa, wb;
+            unpack_q4(qs, n + j, K, g, &wa, &wb);
+            for (int i = 0; i < T; i++) {
+                const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
+                                                                     _mm256_madd_epi16(wb, xb[i])));
+                acc[i * R + j][which] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scale[i * R + j][g]),
+                                                        acc[i * R + j][which]);
+            }
+        } else { /* int8 codes, widened in their natural order: elements 0-15, then 16-31 */
+            const int8_t *c = (const int8_t *)qs + (n + j) * K + g * QK;
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+            for (int i = 0; i < T; i++) {
+                const int k = i * R + j;
+                const __m256i p0 = _mm256_madd_epi16(w0, xa[i]), p1 = _mm256_madd_epi16(w1, xb[i]);
+                if (halves == 2) {
+                    acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[k][2 * g]),
+                                                    acc[k][which]);
+                    acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                                                    _mm256_broadcast_ss(&scale[k][2 * g + 1]), acc[k][which]);
+                } else {
+                    acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                                    _mm256_broadcast_ss(&scale[k][g]), acc[k][which]);
+                }
+            }
         }
     }
 }
 #endif
 
-/* out[r0 + i, n + j] for i < T, j < R. One activation row meets four weight rows at a time (R = 4): its codes are
+/* out[r0 + i, n + j] for i < T, j < R. One activation row meets four Q4 weight rows at a time (R = 4): its codes are
  * loaded once per block for the four, whose four sums are independent chains of multiply-adds. Several activation
  * rows (T > 1) instead share one unpacked weight block (R = 1), with two chains per row (even and odd blocks). */
 static inline __attribute__((always_inline)) void tile(int kind, const quantized_rows *x, int64_t r0, const int T,
                                                        const int R, int64_t K, const void *qs, const void *wd,
-                                                       const uint16_t *wm, int64_t n, float *out, int64_t ldo) {
+                                                       const uint16_t *wm, int64_t n0, int64_t n1, float *out,
+                                                       int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
     float scale[TILE][2 * MAX_GROUPS], offset[TILE];
-    for (int i = 0; i < T; i++)
-        for (int j = 0; j < R; j++) offset[i * R + j] = row_scales(kind, x, r0 + i, groups, wd, wm, n + j, scale[i * R + j]);
-#ifdef NT_AVX2
-    /* The weight rows after the next R, into cache while these are computed: the hardware prefetcher alone left a
-     * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows past
-     * the end need no check. */
-    const int64_t row_bytes = kind == 4 ? K / 2 : K;
-    for (int64_t b = 0; b < R * row_bytes; b += 64) _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
-    __m256 acc[TILE][2];
-    for (int k = 0; k < T * R; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
-    int64_t g = 0;
-    if (T * R < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
-        for (; g + 2 <= groups; g += 2) {
-            block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
-            block_into(kind, halves, x, r0, T, R, K, qs, n, g + 1, scale, acc, 1);
-        }
-    }
-    for (; g < groups; g++) block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
-    if (R == 4) {
-        for (int i = 0; i < T; i++) {
-            const __m128 sums = hsum4_ps(_mm256_add_ps(acc[i * R][0], acc[i * R][1]),
-                                         _mm256_add_ps(acc[i * R + 1][0], acc[i * R + 1][1]),
-                                         _mm256_add_ps(acc[i * R + 2][0], acc[i * R + 2][1]),
-                                         _mm256_add_ps(acc[i * R + 3][0], acc[i * R + 3][1]));
-            _mm_storeu_ps(out + (r0 + i) * ldo + n, _mm_add_ps(sums, _mm_loadu_ps(offset + i * R)));
-        }
-    } else {
+    for (int64_t n = n0; n + R <= n1; n += R) {
         for (int i = 0; i < T; i++)
             for (int j = 0; j < R; j++)
-                out[(r0 + i) * ldo + n + j] = hsum_ps(_mm256_add_ps(acc[i * R + j][0], acc[i * R + j][1])) +
-                                              offset[i * R + j];
-    }
-#else
-    for (int i = 0; i < T; i++) {
-        const int16_t *a = x->q + (r0 + i) * K;
-        for (int j = 0; j < R; j++) {
-            const int k = i * R + j;
-            float acc = 0.0f;
-            for (int64_t g = 0; g < groups; g++) {
-                int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
-                for (int e = 0; e < QK; e++) {
-                    int w;
-                    if (kind == 4) {
-                        const uint8_t byte = ((const uint8_t *)qs)[(n + j) * (K / 2) + g * 16 + e % 16];
-                        w = e < 16 ? byte & 0x0F : byte >> 4;
-                    } else {
-                        w = ((const int8_t *)qs)[(n + j) * K + g * QK + e];
-                    }
-                    sum[e / 16] += w * a[g * QK + code_at(e)];
-                }
-                if (halves == 2) acc += (float)sum[0] * scale[k][2 * g] + (float)sum[1] * scale[k][2 * g + 1];
-                else acc += (float)(sum[0] + sum[1]) * scale[k][g];
+                offset[i * R + j] = row_scales(kind, x, r0 + i, groups, wd, wm, n + j, scale[i * R + j]);
+#ifdef NT_AVX2
+        /* The weight rows after the next R, into cache while these are computed: the hardware prefetcher alone left a
+         * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows past
+         * the end need no check. */
+        const int64_t row_bytes = kind == 4 ? K / 2 : K;
+        for (int64_t b = 0; b < R * row_bytes; b += 64)
+            _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
+        __m256 acc[TILE][2];
+        for (int k = 0; k < T * R; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+        int64_t g = 0;
+        if (T * R < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
+            for (; g + 2 <= groups; g += 2) {
+                block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
+                block_into(kind, halves, x, r0, T, R, K, qs, n, g + 1, scale, acc, 1);
             }
-            out[(r0 + i) * ldo + n + j] = acc + offset[k];
         }
-    }
+        for (; g < groups; g++) block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
+        if (R == 4) {
+            for (int i = 0; i < T; i++) {
+                const __m128 sums = hsum4_ps(_mm256_add_ps(acc[i * R][0], acc[i * R][1]),
+                                             _mm256_add_ps(acc[i * R + 1][0], acc[i * R + 1][1]),
+                                             _mm256_add_ps(acc[i * R + 2][0], acc[i * R + 2][1]),
+                                             _mm256_add_ps(acc[i * R + 3][0], acc[i * R + 3][1]));
+                _mm_storeu_ps(out + (r0 + i) * ldo + n, _mm_add_ps(sums, _mm_loadu_ps(offset + i * R)));
+            }
+        } else {
+            for (int i = 0; i < T; i++)
+                for (int j = 0; j < R; j++)
+                    out[(r0 + i) * ldo + n + j] = hsum_ps(_mm256_add_ps(acc[i * R + j][0], acc[i * R + j][1])) +
+                                                  offset[i * R + j];
+        }
+#else
+        for (int i = 0; i < T; i++) {
+            const int16_t *a = x->q + (r0 + i) * K;
+            for (int j = 0; j < R; j++) {
+                const int k = i * R + j;
+                float acc = 0.0f;
+                for (int64_t g = 0; g < groups; g++) {
+                    int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
+                    for (int e = 0; e < QK; e++) {
+                        int w;
+                        if (kind == 4) {
+                            const uint8_t byte = ((const uint8_t *)qs)[(n + j) * (K / 2) + g * 16 + e % 16];
+                            w = e < 16 ? byte & 0x0F : byte >> 4;
+                        } else {
+                            w = ((const int8_t *)qs)[(n + j) * K + g * QK + e];
+                        }
+                        sum[e / 16] += w * a[g * QK + (kind == 4 ? code_at(e) : e)];
+                    }
+                    if (halves == 2) acc += (float)sum[0] * scale[k][2 * g] + (float)sum[1] * scale[k][2 * g + 1];
+                    else acc += (float)(sum[0] + sum[1]) * scale[k][g];
+                }
+                out[(r0 + i) * ldo + n + j] = acc + offset[k];
+            }
+        }
 #endif
+    }
 }
 
 /* Split weight rows across threads in chunks of 16 (whole cache lines of output for every thread). */
@@ -321,7 +335,8 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
 int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                     const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
     quantized_rows xq;
-    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || K / QK > MAX_GROUPS || quantize_rows(x, M, K, ldx, &xq))
+    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || K / QK > MAX_GROUPS ||
+        quantize_rows(x, M, K, ldx, kind == 4, &xq))
         return -1;
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
@@ -329,21 +344,20 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
         for (int64_t r0 = 0; r0 < M; r0 += TILE) {
             const int64_t t = M - r0 < TILE ? M - r0 : TILE;
-#define NT_TILE(T, R)                                                                          \
-    if (kind == 4) tile(4, &xq, r0, T, R, K, qs, d, m, n, out, ldo);                            \
-    else if (kind == 8) tile(8, &xq, r0, T, R, K, qs, d, m, n, out, ldo);                       \
-    else tile(6, &xq, r0, T, R, K, qs, d, m, n, out, ldo);
-            int64_t n = n0;
-            if (t == 1) { /* one row: four weight rows at a time, then the rest one by one */
-                for (; n + 4 <= n1; n += 4) { NT_TILE(1, 4) }
-                for (; n < n1; n++) { NT_TILE(1, 1) }
+#define NT_TILE(T, R, a, b)                                                                    \
+    if (kind == 4) tile(4, &xq, r0, T, R, K, qs, d, m, a, b, out, ldo);                         \
+    else if (kind == 8) tile(8, &xq, r0, T, R, K, qs, d, m, a, b, out, ldo);                    \
+    else tile(6, &xq, r0, T, R, K, qs, d, m, a, b, out, ldo);
+            if (t == 1 && kind == 4) { /* one row: four Q4 rows at a time, then the rest one by one */
+                const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
+                tile(4, &xq, r0, 1, 4, K, qs, d, m, n0, n4, out, ldo);
+                tile(4, &xq, r0, 1, 1, K, qs, d, m, n4, n1, out, ldo);
             } else {
-                for (; n < n1; n++) {
-                    switch (t) {
-                    case 2: NT_TILE(2, 1) break;
-                    case 3: NT_TILE(3, 1) break;
-                    default: NT_TILE(4, 1) break;
-                    }
+                switch (t) {
+                case 1: NT_TILE(1, 1, n0, n1) break;
+                case 2: NT_TILE(2, 1, n0, n1) break;
+                case 3: NT_TILE(3, 1, n0, n1) break;
+                default: NT_TILE(4, 1, n0, n1) break;
                 }
             }
 #undef NT_TILE
