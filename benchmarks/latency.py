@@ -67,7 +67,7 @@ def llama_bench(binary: str, model: str, threads: int) -> dict[str, float]:
     for test in json.loads(result.stdout):
         key = "prefill_512" if test["n_prompt"] and not test["n_gen"] else "decode_1" if test["n_gen"] else None
         if key:
-            figures[key] = float(test["avg_ts"])
+            figures[key] = round(float(test["avg_ts"]), 1)
     return figures
 
 
