@@ -100,7 +100,8 @@ def main() -> None:
             results[f"{name}/{dtype}"] = r
             baseline = baseline or r
             print(f"{name} {dtype}")
-            print(f"  prefill 512: {r['prefill_tok_s']:8.1f} tok/s   vs {versus(r['prefill_tok_s'], anchors['prefill_512'])}"
+            print(f"  prefill 512: {r['prefill_tok_s']:8.1f} tok/s   vs "
+                  f"{versus(r['prefill_tok_s'], anchors['prefill_512'])}"
                   f"; {r['prefill_tok_s'] / baseline['prefill_tok_s']:.2f}x {args.weights[0]}")
             print(f"  decode   1, empty context (as tg128): {r['decode_empty_tok_s']:8.1f} tok/s   vs "
                   f"{versus(r['decode_empty_tok_s'], anchors['decode_1'])}"

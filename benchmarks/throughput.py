@@ -181,8 +181,9 @@ def print_anchors(model: str, dtype: str, batched: RunResult, serial: RunResult 
     if found is None or batched.decode_tok_s is None:
         return
     size, anchors = found
-    print(f"\nanchors (ANCHORS.md, 2026-11-29; the AVX2 rows: benchmarks/common.py): aggregate decode, {size} sequences x 128 tokens, tok/s; "
-          f"ours = uniform batched decode phase, {batched.num_requests} sequences, {dtype}")
+    print(f"\nanchors (ANCHORS.md, 2026-11-29; the AVX2 rows: benchmarks/common.py): aggregate decode, {size} "
+          f"sequences x 128 tokens, tok/s; ours = uniform batched decode phase, {batched.num_requests} sequences, "
+          f"{dtype}")
     for name, value in anchors.items():
         print(f"  {name:24} {value:7.1f}   ours {batched.decode_tok_s:7.1f}   {batched.decode_tok_s / value:5.2f}x")
     single = ANCHORS[model].get(1)

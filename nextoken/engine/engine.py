@@ -20,7 +20,7 @@ from nextoken.config import EngineConfig
 from nextoken.engine.output import TextStream
 from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
-from nextoken.engine.sampler import Sampler, SamplingRow
+from nextoken.engine.sampler import Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
 from nextoken.errors import NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
@@ -135,9 +135,7 @@ class LLMEngine:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
                                 scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)
                     for i, _ in sampling]
-            picked = [r for _, r in sampling]
-            # Decode steps sample every row in order: no gathered copy of the logits then.
-            result = self.sampler(logits if picked == list(range(logits.shape[0])) else logits[picked], rows)
+            result = self.sampler(take_rows(logits, [r for _, r in sampling]), rows)
         token_for = {i: k for k, (i, _) in enumerate(sampling)}
         now = time.perf_counter()
         outputs: list[RequestOutput] = []

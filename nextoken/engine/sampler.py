@@ -9,8 +9,8 @@ Stage order, each stage skipped when no row of the batch uses it:
   6. min-p: drop tokens below min_p x the most likely token's probability
   7. draw from softmax by inverse CDF, with the request's own generator (seeded requests repeat exactly, whatever
      the batch)
-Stages 3-7 run over each row's largest TOP_P_CANDIDATES logits where the filters keep the row within them
-(`candidates`), else over the whole row (`filter_logits`).
+Stages 3-7 run over each row's CANDIDATES largest logits where the filters keep the row within them (`candidates`;
+then WIDE_CANDIDATES in large vocabularies), else over the whole row (`filter_logits`).
 Log-probabilities are those of the raw model distribution (log_softmax of the unmodified logits).
 """
 
@@ -79,9 +79,10 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return logits
 
 
-# Tokens a top-p row is first looked for among. Sorting whole rows cost 1.2 s a step for 64 rows of Gemma 3's 262k
-# vocabulary on 2 cores; the 1,024 largest of each row take 47 ms, and in practice hold the nucleus.
-TOP_P_CANDIDATES = 1024
+# Candidates a sampled row is first filtered and drawn among (`candidates`). Sorting whole rows cost 1.2 s a step for
+# 64 rows of Gemma 3's 262k vocabulary on 2 cores; the 1,024 largest of each row take 47 ms, and in practice hold
+# the nucleus.
+CANDIDATES = 1024
 
 
 def _nucleus(sorted_logits: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -94,26 +95,11 @@ def _nucleus(sorted_logits: torch.Tensor, log_total: torch.Tensor, top_p: torch.
 
 
 def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Stage 5: tokens outside each row's nucleus become -inf. Found among the row's TOP_P_CANDIDATES largest
-    logits where their probability reaches p (the same set a full sort gives); the other rows are sorted whole."""
-    log_total = logits.logsumexp(dim=-1, keepdim=True)
-    out = torch.full_like(logits, float("-inf"))
-
-    def keep(rows: torch.Tensor | slice, values: torch.Tensor, order: torch.Tensor) -> None:
-        kept = values.masked_fill(~_nucleus(values, log_total[rows], top_p[rows]), float("-inf"))
-        out[rows] = out[rows].scatter_(1, order, kept)
-
-    values, order = logits.topk(min(TOP_P_CANDIDATES, logits.shape[1]), dim=-1)  # sorted, descending
-    covered = (values - log_total).exp().sum(dim=-1) >= top_p
-    whole = top_p >= 1  # rows of the batch without top-p keep every token
-    if bool(covered.all()) and not bool(whole.any()):
-        keep(slice(None), values, order)
-        return out
-    out[whole] = logits[whole]
-    fine, rest = (covered & ~whole).nonzero().flatten(), (~covered & ~whole).nonzero().flatten()
-    keep(fine, values[fine], order[fine])
-    keep(rest, *logits[rest].sort(dim=-1, descending=True))
-    return out
+    """Stage 5 over whole rows: tokens outside each row's nucleus become -inf (rows with top_p 1 keep every token).
+    The sampler only sends here the rows its candidates do not hold."""
+    values, order = logits.sort(dim=-1, descending=True)
+    keep = _nucleus(values, logits.logsumexp(dim=-1, keepdim=True), top_p) | (top_p >= 1)[:, None]
+    return logits.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), float("-inf"))
 
 
 # Second set for the rows the first does not hold (a flat distribution at temperature 1 with top-p 0.95), in
@@ -121,8 +107,8 @@ def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 WIDE_CANDIDATES = 16384
 
 
-def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """t's rows `rows` (increasing): t itself, not a gathered copy, when that is all of them."""
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t's rows `rows` (distinct, increasing): t itself, not a gathered copy, when that is all of them."""
     return t if len(rows) == t.shape[0] else t[rows]
 
 
@@ -134,7 +120,7 @@ def candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     means nothing (they need more candidates, or filter_logits over the whole row). For 64 rows of Gemma 3's 262k
     vocabulary this leaves out the whole-row passes of the filtered softmax and the draw."""
     vocab = logits.shape[1]
-    count = min(TOP_P_CANDIDATES if count is None else count, vocab)
+    count = min(CANDIDATES if count is None else count, vocab)
     raw, ids = logits.topk(count, dim=-1)  # sorted, descending: the order of logits / T too (T > 0)
     values = raw / temperature[:, None]
     with_k = (top_k > 0) & (top_k < vocab)
@@ -215,11 +201,11 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
         out = argmax(logits)
         idx = [i for i, g in enumerate(greedy) if not g]
-        sub = _rows(logits, idx)
+        sub = take_rows(logits, idx)
         ps = [rows[i].params for i in idx]
         dev = logits.device
-        params = (torch.tensor([p.temperature for p in ps], device=dev), torch.tensor([p.top_k for p in ps], device=dev),
-                  torch.tensor([p.top_p for p in ps], device=dev), torch.tensor([p.min_p for p in ps], device=dev))
+        params = tuple(torch.tensor([getattr(p, name) for p in ps], device=dev)
+                       for name in ("temperature", "top_k", "top_p", "min_p"))
         # Draws use each request's CPU generator (seeded requests repeat on any device), so the rows come to the CPU:
         # one uniform per row from it, found in the row's cumulative distribution.
         uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator or self.default_generator)
@@ -230,10 +216,11 @@ class Sampler:
         # whole filtered row.
         left = ((top_k > 0) | (top_p < 1) | (min_p > 0)).nonzero().flatten().tolist()
         done: set[int] = set()
-        for count in (TOP_P_CANDIDATES, WIDE_CANDIDATES):
+        for count in (CANDIDATES, WIDE_CANDIDATES):
             if not left or (count == WIDE_CANDIDATES and 4 * count > sub.shape[1]):  # no cheaper than a sort there
                 break
-            probs, ids, bounded = candidates(_rows(sub, left), *(_rows(p, left) for p in params), count=count)
+            probs, ids, bounded = candidates(take_rows(sub, left), *(take_rows(p, left) for p in params),
+                                             count=count)
             held = bounded.nonzero().flatten()
             if held.numel():
                 picks = torch.tensor(inverse_cdf(probs[held].cpu(), uniforms[[left[j] for j in held.tolist()]]))
@@ -243,7 +230,7 @@ class Sampler:
             left = [left[j] for j in (~bounded).nonzero().flatten().tolist()]
         rest = [j for j in range(len(idx)) if j not in done]
         if rest:
-            filtered = filter_logits(_rows(sub, rest), *(_rows(p, rest) for p in params))
+            filtered = filter_logits(take_rows(sub, rest), *(take_rows(p, rest) for p in params))
             for j, token in zip(rest, inverse_cdf(filtered.softmax(dim=-1).cpu(), uniforms[rest])):
                 out[idx[j]] = token
         return out

@@ -67,12 +67,24 @@ def test_machine_peaks_are_measured_once_then_read_back(tmp_path: Path, monkeypa
     assert calls == [1] and not first.cached and second.cached
     assert (second.gemm_gflops, second.copy_gbps) == (first.gemm_gflops, first.copy_gbps) and first.gemm_gflops > 0
     assert list(json.loads(path.read_text())) == [first.key]
-    # fp32 on CPU: the faster of torch's GEMM and nextoken's own (which prefill runs); bf16: torch's
-    assert first.gemm_by in ("torch.mm", "nextoken sgemm")
     assert machine_peaks(cpu, torch.bfloat16, path).gemm_by == "torch.mm"  # another dtype is another entry
     assert len(calls) == 2 and len(json.loads(path.read_text())) == 2
     path.write_text("{not json")
     assert not machine_peaks(cpu, torch.float32, path).cached and len(calls) == 3
+
+
+@pytest.mark.parametrize("own_faster", [True, False])
+def test_gemm_peak_is_the_faster_of_torch_and_nextoken(monkeypatch: pytest.MonkeyPatch, own_faster: bool) -> None:
+    """On CPU fp32 the peak is whichever GEMM ran faster (prefill runs nextoken's: a torch-only peak was exceeded),
+    and the report names it. Each timed call still runs once, so a GEMM that cannot run fails here."""
+    monkeypatch.setattr(cost, "GEMM_SIZE", {"cpu": 64})
+    monkeypatch.setattr(cost, "COPY_BYTES", 1 << 16)
+    seconds = iter([1.0, 0.5 if own_faster else 2.0, 0.1])  # torch.mm, nextoken's GEMM, the copy
+    monkeypatch.setattr(cost, "_best_seconds", lambda fn, device: (fn(), next(seconds))[1])
+    peaks = cost.measure_peaks(torch.device("cpu"), torch.float32)
+    assert peaks.gemm_by == ("nextoken sgemm" if own_faster else "torch.mm")
+    assert peaks.gemm_gflops == pytest.approx(2 * 64**3 / (0.5 if own_faster else 1.0) / 1e9)
+    assert peaks.copy_gbps == pytest.approx(2 * (1 << 16) / 0.1 / 1e9)
 
 
 def test_summary_accounts_for_every_step(llama_llm: LLM) -> None:

@@ -188,4 +188,8 @@ def test_block_embedding_rows_are_the_files_values() -> None:
     dense = dequantize(raw, _Q.Q8_0, (vocab, hidden))
     ids = torch.tensor([[0, 299, 7], [7, 150, 1]])
     assert torch.equal(table(ids), F.embedding(ids, dense))  # bit for bit: one rounding, d * q
+    assert table.lib is not None  # a step's ids (one dimension) take the native lookup: the same values
+    assert torch.equal(table(ids[0]), F.embedding(ids[0], dense))
+    with pytest.raises(IndexError, match="out of range"):
+        table(torch.tensor([3, vocab]))
     assert table.nbytes == raw.nbytes and table.nbytes < dense.nbytes / 3.7

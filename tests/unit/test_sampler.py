@@ -52,11 +52,9 @@ def test_filter_matches_reference(temperature: float, top_k: int, top_p: float, 
     np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def test_top_p_over_candidates_and_whole_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows whose nucleus lies among the largest TOP_P_CANDIDATES logits and rows where it does not (a flat row:
-    sorted whole), mixed in one batch with and without top-k and with a row without top-p (every token kept): each
-    row's distribution is the reference's."""
-    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
+def test_whole_row_filter_on_a_mixed_batch() -> None:
+    """filter_logits (the rows the candidates do not hold) on peaked and flat rows in one batch, with and without
+    top-k, and a row without top-p (every token kept): each row's distribution is the reference's."""
     gen = torch.Generator().manual_seed(3)
     vocab = 3000
     peaked = torch.randn(vocab, generator=gen) * 4  # its 64 largest hold far more than 0.9
@@ -73,10 +71,10 @@ def test_top_p_over_candidates_and_whole_rows(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_candidate_rows_hold_the_filtered_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows the filters keep within their TOP_P_CANDIDATES largest logits (top-k, a nucleus or a min-p cut inside
+    """Rows the filters keep within their CANDIDATES largest logits (top-k, a nucleus or a min-p cut inside
     them) get the reference's distribution from the candidates alone; rows that need the whole vocabulary (plain
     temperature, a nucleus or min-p cut past the candidates, top-k past them) are reported as such."""
-    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 64)
     gen = torch.Generator().manual_seed(5)
     vocab = 3000
     peaked = torch.randn(vocab, generator=gen) * 4
@@ -105,7 +103,7 @@ def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPa
     """A seeded request's tokens do not depend on the rows beside it, whether it draws from its candidates, from the
     wider second set, or from its whole row, and whether its batch draws several ways; every draw is a token the
     filters keep."""
-    monkeypatch.setattr(sampler_module, "TOP_P_CANDIDATES", 64)
+    monkeypatch.setattr(sampler_module, "CANDIDATES", 64)
     monkeypatch.setattr(sampler_module, "WIDE_CANDIDATES", 256)
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 3000, generator=gen) * torch.tensor([[4.0], [0.1], [2.0], [1.0]])

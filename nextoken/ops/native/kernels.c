@@ -344,20 +344,20 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
         for (int64_t r0 = 0; r0 < M; r0 += TILE) {
             const int64_t t = M - r0 < TILE ? M - r0 : TILE;
-#define NT_TILE(T, R, a, b)                                                                    \
-    if (kind == 4) tile(4, &xq, r0, T, R, K, qs, d, m, a, b, out, ldo);                         \
-    else if (kind == 8) tile(8, &xq, r0, T, R, K, qs, d, m, a, b, out, ldo);                    \
-    else tile(6, &xq, r0, T, R, K, qs, d, m, a, b, out, ldo);
+#define NT_TILE(T)                                                                             \
+    if (kind == 4) tile(4, &xq, r0, T, 1, K, qs, d, m, n0, n1, out, ldo);                       \
+    else if (kind == 8) tile(8, &xq, r0, T, 1, K, qs, d, m, n0, n1, out, ldo);                  \
+    else tile(6, &xq, r0, T, 1, K, qs, d, m, n0, n1, out, ldo);
             if (t == 1 && kind == 4) { /* one row: four Q4 rows at a time, then the rest one by one */
                 const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
                 tile(4, &xq, r0, 1, 4, K, qs, d, m, n0, n4, out, ldo);
                 tile(4, &xq, r0, 1, 1, K, qs, d, m, n4, n1, out, ldo);
             } else {
                 switch (t) {
-                case 1: NT_TILE(1, 1, n0, n1) break;
-                case 2: NT_TILE(2, 1, n0, n1) break;
-                case 3: NT_TILE(3, 1, n0, n1) break;
-                default: NT_TILE(4, 1, n0, n1) break;
+                case 1: NT_TILE(1) break;
+                case 2: NT_TILE(2) break;
+                case 3: NT_TILE(3) break;
+                default: NT_TILE(4) break;
                 }
             }
 #undef NT_TILE
@@ -453,7 +453,8 @@ static void dequantize_row(int kind, const void *qs, const void *wd, const uint1
     if (kind == 4) {
         const uint8_t *q = (const uint8_t *)qs + n * (K / 2);
         for (int64_t g = 0; g < groups; g++) {
-            const float d = half_to_float(((const uint16_t *)wd)[n * groups + g]), m = half_to_float(wm[n * groups + g]);
+            const float d = half_to_float(((const uint16_t *)wd)[n * groups + g]);
+            const float m = half_to_float(wm[n * groups + g]);
             for (int i = 0; i < QK / 2; i++) {
                 dst[g * QK + i] = d * (float)(q[g * QK / 2 + i] & 0x0F) + m;
                 dst[g * QK + QK / 2 + i] = d * (float)(q[g * QK / 2 + i] >> 4) + m;
@@ -517,7 +518,8 @@ void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int thre
             continue;
         }
         for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < SG_COLS; j++) packed[n0 * K + k * SG_COLS + j] = n0 + j < N ? w[(n0 + j) * K + k] : 0.0f;
+            for (int64_t j = 0; j < SG_COLS; j++)
+                packed[n0 * K + k * SG_COLS + j] = n0 + j < N ? w[(n0 + j) * K + k] : 0.0f;
     }
 }
 
@@ -549,7 +551,7 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
     return failed ? -1 : 0;
 }
 
-/* ----------------------------------------------------------------- RMSNorm */
+/* ------------------------------------------------------------ token rows */
 
 /* out [n, K] = rows ids[0..n) of a Q8 table: int8 codes [vocab, K] times fp32 scales [vocab, K / 32] (one rounding,
  * as the file's dequantization). Returns -1 for an id outside [0, vocab). */
@@ -566,6 +568,8 @@ int nt_embed_q8(const int8_t *codes, const float *scales, int64_t vocab, int64_t
     }
     return 0;
 }
+
+/* ----------------------------------------------------------------- RMSNorm */
 
 /* out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w, over M rows of K; with `residual`, first x[r] += residual[r] (in
  * place: the updated residual stream stays in x). */
@@ -705,7 +709,6 @@ static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-
 /* Requests into cache the stored rows (width values each) of the tokens at[from..to) (clipped to count): the
  * cache's blocks are scattered, and a cold context was read at a third of the memory's bandwidth without this. */
 static inline void prefetch_tokens(const kv_store *s, const int64_t *at, int64_t from, int64_t to, int64_t count,
@@ -746,7 +749,7 @@ static inline void weighted_sum64(float *o, const float *const *rows, int64_t of
 static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, const kv_store *ks,
                     const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count, float scale,
                     float *scores, float *row, const int64_t *at) {
-    const float *rows[ATT_GROUP + 8], *heads_at[8];
+    const float *rows[ATT_GROUP], *heads_at[8];
     const __m256 sv = _mm256_set1_ps(scale);
     for (int64_t j0 = 0; j0 < count; j0 += ATT_GROUP) {
         const int64_t ng = count - j0 < ATT_GROUP ? count - j0 : ATT_GROUP;
@@ -841,12 +844,16 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
                             const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                             int64_t window, int threads) {
     if (c->kind == 2 && D % QK) return -1;
-    /* parts per sequence: as many as threads where there are fewer sequences, but none under SPLIT_MIN positions */
-    int64_t longest = 0;
-    for (int64_t i = 0; i < n && n < threads; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
-    if (window > 0 && longest > window) longest = window;
-    const int64_t wanted = (longest + SPLIT_MIN - 1) / SPLIT_MIN;
-    const int64_t parts = n >= threads ? 1 : wanted < threads ? (wanted > 1 ? wanted : 1) : threads;
+    /* parts per sequence: one per thread where there are fewer sequences than threads, but none under SPLIT_MIN
+     * positions (a short context is not worth a second thread and a merge) */
+    int64_t parts = 1;
+    if (n < threads) {
+        int64_t longest = 0;
+        for (int64_t i = 0; i < n; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
+        if (window > 0 && longest > window) longest = window;
+        parts = (longest + SPLIT_MIN - 1) / SPLIT_MIN;
+        parts = parts < 1 ? 1 : parts > threads ? threads : parts;
+    }
     /* per (sequence, part): heads * D outputs, heads maxima and sums */
     float *partial = parts > 1 ? malloc((size_t)(n * parts * heads * (D + 2)) * sizeof(float)) : NULL;
     if (parts > 1 && !partial) return -1;
