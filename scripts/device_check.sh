@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 out="${OUT:-benchmarks/results/device}"
 mkdir -p "$out"
 if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nextoken-site .whl/*.whl || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/nextoken-site .whl/*.whl || exit 1
 fi
 export PYTHONPATH="$PWD:/tmp/nextoken-site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
