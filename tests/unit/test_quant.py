@@ -87,10 +87,9 @@ def test_q8_codes_from_floats_stay_within_half_a_step() -> None:
     assert ((rebuild_q8(codes, d) - w).abs() <= d.repeat_interleave(32, 1) / 2 + 1e-6).all()
 
 
-def mixed_projection(seed: int = 0) -> tuple[BlockLinear, torch.Tensor]:
+def mixed_projection(seed: int = 0, cols: int = 96) -> tuple[BlockLinear, torch.Tensor]:
     """A fused projection of three parts: Q4 rows, Q8 rows and Q8-in-halves rows (as a Q4_K_M QKV can be)."""
     gen = torch.Generator().manual_seed(seed)
-    cols = 96
     q4 = regroup(torch.randn(43, cols, generator=gen))  # 43, 21, 7: rows past whole tiles of four
     q8 = q8_codes(None, None, torch.randn(21, cols, generator=gen))
     halves = (torch.randint(-32, 32, (7, cols), generator=gen, dtype=torch.int8), torch.rand(7, cols // 16) / 10)
@@ -103,11 +102,12 @@ def mixed_projection(seed: int = 0) -> tuple[BlockLinear, torch.Tensor]:
     return BlockLinear(parts, exact), exact
 
 
+@pytest.mark.parametrize("cols", [96, 320])  # 3 or 10 blocks per row: scales one by one, or in vectors and a last one
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, NATIVE_MAX_ROWS])
-def test_block_linear_matches_dense_on_native_kernels(rows: int) -> None:
-    layer, dense = mixed_projection()
+def test_block_linear_matches_dense_on_native_kernels(rows: int, cols: int) -> None:
+    layer, dense = mixed_projection(cols=cols)
     assert layer.lib is not None and [p.kind for p in layer.parts] == [Q4, Q8, Q8_HALVES]
-    x = torch.randn(rows, 96) * 3
+    x = torch.randn(rows, cols) * 3
     expected = F.linear(x.double(), dense.double())
     # int16 activation blocks: each activation moves by at most 1/65534 of its block's largest, so the error is a
     # few 1e-5 of the sum of the products' sizes (that of bf16 activations is about 4e-3).

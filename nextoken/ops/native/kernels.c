@@ -140,20 +140,42 @@ static inline __m256 exp_ps(__m256 x) {
 #define TILE 4          /* outputs of one tile: activation rows times weight rows */
 #define MAX_GROUPS 1024 /* blocks per row: input sizes up to 32768 */
 
-/* prod[g] = h[g] * x[g] for fp16 h; returns sum of h[g] * y[g] when y is given. */
-static inline float half_scale(const uint16_t *h, const float *x, const float *y, int64_t groups, float *prod) {
-    int64_t g = 0;
-    float dot = 0.0f;
 #ifdef NT_AVX2
+/* half_scale over whole vectors, for groups >= 8: a last partial vector is the row's last 8 groups, its lanes
+ * already counted masked out of the sum (its products are the same values again), so nothing is read past the row
+ * and no scalar tail runs. Returns the sum's 8 partial sums. */
+static inline __m256 half_scale8(const uint16_t *h, const float *x, const float *y, int64_t groups, float *prod) {
     __m256 acc = _mm256_setzero_ps();
+    int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
         const __m256 hv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g)));
         if (prod) _mm256_storeu_ps(prod + g, _mm256_mul_ps(hv, _mm256_loadu_ps(x + g)));
         if (y) acc = _mm256_fmadd_ps(hv, _mm256_loadu_ps(y + g), acc);
     }
-    dot = hsum_ps(acc);
+    if (g < groups) {
+        const int64_t at = groups - 8;
+        const __m256 hv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + at)));
+        if (prod) _mm256_storeu_ps(prod + at, _mm256_mul_ps(hv, _mm256_loadu_ps(x + at)));
+        if (y) {
+            const __m256 fresh = _mm256_castsi256_ps(_mm256_cmpgt_epi32( /* lanes at + lane >= g */
+                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)(g - at) - 1)));
+            acc = _mm256_fmadd_ps(_mm256_and_ps(hv, fresh), _mm256_loadu_ps(y + at), acc);
+        }
+    }
+    return acc;
+}
 #endif
-    for (; g < groups; g++) {
+
+/* prod[g] = h[g] * x[g] for fp16 h; returns sum of h[g] * y[g] when y is given. */
+static inline float half_scale(const uint16_t *h, const float *x, const float *y, int64_t groups, float *prod) {
+#ifdef NT_AVX2
+    if (groups >= 8) {
+        const __m256 acc = half_scale8(h, x, y, groups, prod);
+        return y ? hsum_ps(acc) : 0.0f;
+    }
+#endif
+    float dot = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
         const float hv = half_to_float(h[g]);
         if (prod) prod[g] = hv * x[g];
         if (y) dot += hv * y[g];
@@ -211,6 +233,20 @@ static inline float row_scales(int kind, const quantized_rows *x, int64_t r, int
 }
 
 #ifdef NT_AVX2
+/* row_scales for four consecutive Q4 rows n..n+3 and one activation row (groups >= 8): the four offsets summed
+ * together. */
+static inline void q4_scales4(const quantized_rows *x, int64_t r, int64_t groups, const uint16_t *wd,
+                              const uint16_t *wm, int64_t n, float scale[][2 * MAX_GROUPS], float *offset) {
+    __m256 acc[4];
+    for (int j = 0; j < 4; j++) {
+        half_scale8(wd + (n + j) * groups, x->d + r * groups, NULL, groups, scale[j]);
+        acc[j] = half_scale8(wm + (n + j) * groups, NULL, x->s + r * groups, groups, NULL);
+    }
+    _mm_storeu_ps(offset, hsum4_ps(acc[0], acc[1], acc[2], acc[3]));
+}
+#endif
+
+#ifdef NT_AVX2
 /* Block g of weight rows n..n+R-1 against activation rows r0..r0+T-1, into accumulator `which` of each output. */
 static inline __attribute__((always_inline)) void block_into(int kind, int halves, const quantized_rows *x,
                                                              int64_t r0, const int T, const int R, int64_t K,
@@ -265,9 +301,14 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
     const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
     float scale[TILE][2 * MAX_GROUPS], offset[TILE];
     for (int64_t n = n0; n + R <= n1; n += R) {
-        for (int i = 0; i < T; i++)
-            for (int j = 0; j < R; j++)
-                offset[i * R + j] = row_scales(kind, x, r0 + i, groups, wd, wm, n + j, scale[i * R + j]);
+#ifdef NT_AVX2
+        if (kind == 4 && T == 1 && R == 4 && groups >= 8)
+            q4_scales4(x, r0, groups, (const uint16_t *)wd, wm, n, scale, offset);
+        else
+#endif
+            for (int i = 0; i < T; i++)
+                for (int j = 0; j < R; j++)
+                    offset[i * R + j] = row_scales(kind, x, r0 + i, groups, wd, wm, n + j, scale[i * R + j]);
 #ifdef NT_AVX2
         /* The weight rows after the next R, into cache while these are computed: the hardware prefetcher alone left a
          * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows past
