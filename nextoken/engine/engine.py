@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -63,10 +64,14 @@ class LLMEngine:
             else self.model_path.stem
         gguf = read_gguf(self.model_path)
         self.model_config = ModelConfig.from_gguf(gguf)
-        self.tokenizer, self.chat_template = load_text_side(gguf, self.model_config)
         self.max_model_len = min(config.max_model_len or self.model_config.context_length,
                                  self.model_config.context_length)
-        self.runner = ModelRunner(gguf, self.model_config, config, self.max_model_len)
+        # The tokenizer is built beside the weights: its Python parts run while the weight conversions (numpy,
+        # torch, native code) have the GIL released. Gemma 3's 262k vocabulary: 3.4-3.7 s -> 2.5-3.3 s a fresh load.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="nextoken-tokenizer") as pool:
+            text_side = pool.submit(load_text_side, gguf, self.model_config)
+            self.runner = ModelRunner(gguf, self.model_config, config, self.max_model_len)
+            self.tokenizer, self.chat_template = text_side.result()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,

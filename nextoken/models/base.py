@@ -20,7 +20,7 @@ from nextoken.loader.dequant import dequantize
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
-from nextoken.models.layers import RMSNorm
+from nextoken.models.layers import Linear, RMSNorm
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
                                        q4_codes, q4_weight, q5_codes, q8_0_codes, q6_codes, q8_codes, q8_weight, regroup)
@@ -34,10 +34,11 @@ class CausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens: nn.Embedding | BlockEmbedding = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Built with an empty weight (no random init: see Linear.reset_parameters); filled from the file.
+        self.embed_tokens: nn.Embedding | BlockEmbedding = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size,
-                                                                         bias=False)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.quantized_head: Int8GroupHead | None = None  # set by load_gguf(quantize_head=True)
         self.fused: FusedDecoder | None = None  # set by load_gguf where every projection is block-quantized
 

@@ -24,6 +24,10 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
 
+    def reset_parameters(self) -> None:
+        """No random init: every weight comes from the file. (On the meta device torch's init runs through its
+        decompositions, whose first use imports torch._dynamo: 3 s of a fresh process's model load.)"""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 

@@ -3,6 +3,8 @@ no greedy output, stop conditions, length errors, seeded sampling, abort."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -176,3 +178,18 @@ def test_int8_head_keeps_greedy_tokens_and_top_logprobs(tiny: Path) -> None:
         for (chosen_a, top_a), (chosen_b, top_b) in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
             assert [t for t, _ in top_a] == [t for t, _ in top_b]
             assert abs(chosen_a - chosen_b) < 1e-3  # only the normalizer sees the cheap pass's tail
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_loading_a_model_leaves_torch_dynamo_unimported(arch: str, tiny_llama: Path, tiny_gemma: Path) -> None:
+    """A fresh process loads and generates without importing torch._dynamo (modules built on the meta device with
+    torch's random init import it: seconds of every start), and the module path still answers."""
+    path = tiny_llama if arch == "llama" else tiny_gemma
+    code = ("import sys; from nextoken import LLM, SamplingParams; "
+            f"llm = LLM({str(path)!r}, kv_cache_bytes=1 << 20, weights='fp32'); "
+            "out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]; "
+            "assert len(out.token_ids) == 3, out.token_ids; "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
