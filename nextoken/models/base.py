@@ -69,14 +69,15 @@ class CausalLM(nn.Module):
         last token.
         """
         x = self.embed(input_ids)
-        if self.fused is not None and self.fused.applies(x, kv_caches, meta):
-            x = self.fused(x, positions, kv_caches, meta)
+        fused = self.fused is not None and self.fused.applies(x, kv_caches, meta)
+        if fused:
+            x = self.fused(x, positions, kv_caches, meta)  # the final norm included
         else:
             for layer, kv_cache in zip(self.layers, kv_caches):
                 x = layer(x, positions, kv_cache, meta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        return self.compute_logits(self.norm(x))
+        return self.compute_logits(x if fused else self.norm(x))
 
     # --- loading -------------------------------------------------------------------------------------------
 

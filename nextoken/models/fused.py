@@ -71,6 +71,7 @@ class FusedDecoder:
                 _norm(norms["attn_in"]), _norm(norms["attn_out"]), _norm(norms["mlp_in"]), _norm(norms["mlp_out"]),
                 _norm(attn.q_norm), _norm(attn.k_norm), *matrices))
         self.layers = (native.Layer * len(layers))(*layers)
+        self.final_norm = (model.norm.weight, model.norm.eps)  # applied in the same native call
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
         self.gemm_rows = GEMM_MIN_ROWS
         self._scratch = torch.empty(0)
@@ -88,10 +89,10 @@ class FusedDecoder:
     def applies(self, x: torch.Tensor, kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> bool:
         """Decode-only batches of fp32 CPU rows over a cache the native attention reads, with no hooks on the blocks
         (a tracer watching them sees the modules run)."""
-        block = self.model.layers[0]
+        watched = (self.model.layers[0], self.model.norm)
         return (meta.is_decode_only and x.dtype == torch.float32
                 and native.attends(x.device, kv_caches[0].k.dtype, kv_caches[0].k.shape[-1])
-                and not (block._forward_hooks or block._forward_pre_hooks))
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in watched))
 
     def _cache_structs(self, kv_caches: list[KVCacheLayer]) -> ctypes.Array:
         """The layers' caches as the kernel's structs, rebuilt when other cache objects come in. The structs hold
@@ -105,7 +106,8 @@ class FusedDecoder:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [num_seqs, hidden] (one new token per sequence) -> the residual stream after the last block."""
+        """x [num_seqs, hidden] (one new token per sequence) -> the residual stream after the last block, through the
+        model's final norm."""
         top = max(meta.seq_lens)  # a decode token's position is its sequence's length - 1
         tables = []
         for rope in self.ropes:
@@ -121,5 +123,5 @@ class FusedDecoder:
         recording = torch.autograd.profiler._is_profiler_enabled
         with torch.profiler.record_function("nextoken::decode_layers") if recording else contextlib.nullcontext():
             native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
-                                 self.layers, caches, rope_tables, self._scratch, self.gemm_rows)
+                                 self.layers, caches, rope_tables, self._scratch, self.gemm_rows, self.final_norm)
         return x

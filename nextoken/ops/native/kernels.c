@@ -1133,12 +1133,13 @@ int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M)
 /* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
  * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
  * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least
- * nt_decode_scratch() floats; gemm_rows: from how many rows products take the fp32 GEMM (see matmul). Returns 0, or
- * -1 when a size is unsupported or memory runs out. */
+ * nt_decode_scratch() floats; gemm_rows: from how many rows products take the fp32 GEMM (see matmul); final_norm:
+ * the model's last RMSNorm, applied to x in place after the last block (null: none). Returns 0, or -1 when a size is
+ * unsupported or memory runs out. */
 int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
                      const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
                      int64_t num_layers, const float *const *rope_tables, float *scratch, int64_t gemm_rows,
-                     int threads) {
+                     const float *final_norm, float final_eps, int threads) {
     const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
     float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
     int status = 0;
@@ -1180,5 +1181,7 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         for (int64_t t = 0; t < M; t++)
             for (int64_t i = 0; i < hid; i++) x[t * hid + i] += h[t * hid + i];
     }
+    if (final_norm && num_layers > 0 && !status)
+        norm_rows(x, NULL, final_norm, x, M, layers[num_layers - 1].hidden, final_eps, threads);
     return status ? -1 : 0;
 }
