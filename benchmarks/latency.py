@@ -1,7 +1,7 @@
 """Single-request latency: prefill tokens/s (one 512-token prompt) and decode tokens/s (128 tokens, batch 1).
 
 Run: .venv/bin/python -m benchmarks.latency [--weights fp32 bf16 int8 int4] [--kv-dtypes fp32 bf16 int8]
-     [--models ...] [--repeats N] [--llama-bench PATH]
+     [--models ...] [--repeats N] [--llama-bench PATH [--turns N]]
 Both go through the engine exactly as a user's request does. Prefill is timed from scheduling to the first token
 (one forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that
 512-token prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians
@@ -9,7 +9,8 @@ of N runs, the prefix cache off so every run computes its whole prompt. Printed 
 ratios; the first weight format (fp32) is the in-run baseline for the others. With --llama-bench (a llama-bench
 binary the user built), llama.cpp runs on the same GGUF file in the same run (`-p 512 -n 128`, the machine's thread
 count) and the ratios to it are printed too. Then each KV cache format with the default weights: decode tok/s over
-the same 512-token context, and how many tokens a 1 GiB pool holds.
+the same 512-token context, and how many tokens a 1 GiB pool holds. With --turns N, only the default formats and
+llama.cpp, taking turns N times (see head_to_head): the ratio to use on a machine whose speed drifts.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def measure(llm: LLM, repeats: int, prompt_len: int = 512, decode_len: int = 128
             "decode_empty_tok_s": statistics.median(decode_empty), "ttft_s": statistics.median(ttft)}
 
 
-def llama_bench(binary: str, model: str, threads: int) -> dict[str, float]:
-    """llama.cpp's pp512 and tg128 (tok/s, mean of 3) on the same file, from its JSON output."""
-    cmd = [binary, "-m", str(resolve_model(model)), "-p", "512", "-n", "128", "-t", str(threads), "-r", "3",
+def llama_bench(binary: str, model: str, threads: int, repeats: int = 3) -> dict[str, float]:
+    """llama.cpp's pp512 and tg128 (tok/s, mean of `repeats`) on the same file, from its JSON output."""
+    cmd = [binary, "-m", str(resolve_model(model)), "-p", "512", "-n", "128", "-t", str(threads), "-r", str(repeats),
            "-o", "json"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
@@ -71,6 +72,31 @@ def llama_bench(binary: str, model: str, threads: int) -> dict[str, float]:
     return figures
 
 
+def head_to_head(binary: str, model: str, rounds: int) -> dict[str, float]:
+    """nextoken (default formats) and llama.cpp taking turns, `rounds` times: each round one llama-bench run (pp512,
+    tg128) then one of ours (prefill 512, decode from an empty context). On a machine whose speed drifts from minute
+    to minute, the ratio of neighbours in time is the fair one: printed per round, and their median."""
+    llm = LLM(model, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
+    measure(llm, 1)  # warm-up
+    threads = torch.get_num_threads()
+    decode, prefill = [], []
+    for i in range(rounds):
+        theirs = llama_bench(binary, model, threads, repeats=1)
+        ours = measure(llm, 1)
+        decode.append((ours["decode_empty_tok_s"], theirs["decode_1"]))
+        prefill.append((ours["prefill_tok_s"], theirs["prefill_512"]))
+        print(f"  round {i + 1}: decode {decode[-1][0]:.1f} vs {decode[-1][1]:.1f} tok/s "
+              f"({decode[-1][0] / decode[-1][1]:.2f}x), prefill {prefill[-1][0]:.1f} vs {prefill[-1][1]:.1f} "
+              f"({prefill[-1][0] / prefill[-1][1]:.2f}x)")
+    ratio = {"decode": statistics.median(a / b for a, b in decode),
+             "prefill": statistics.median(a / b for a, b in prefill)}
+    print(f"{model}, {llm.engine.runner.weights} weights, against llama.cpp taking turns ({rounds} rounds): decode "
+          f"{ratio['decode']:.2f}x (median), prefill {ratio['prefill']:.2f}x")
+    return {"decode_ratio": ratio["decode"], "prefill_ratio": ratio["prefill"],
+            "decode_tok_s": statistics.median(a for a, _ in decode),
+            "llama_decode_tok_s": statistics.median(b for _, b in decode)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--models", nargs="*", default=list(ANCHORS))
@@ -78,8 +104,17 @@ def main() -> None:
     parser.add_argument("--kv-dtypes", nargs="*", default=["fp32", "bf16", "int8"])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-bench", help="a llama-bench binary: run llama.cpp on the same file in this run")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="with --llama-bench: only the default formats and llama.cpp taking turns, N rounds")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
+    if args.turns:
+        if not args.llama_bench:
+            parser.error("--turns needs --llama-bench")
+        for name in args.models:
+            results[f"{name}/turns"] = head_to_head(args.llama_bench, name, args.turns)
+        print(f"saved {save('latency_turns', results)}")
+        return
     for name in args.models:
         baseline: dict[str, float] | None = None
         anchors = {key: dict(value) for key, value in ANCHORS[name].items()}
