@@ -62,16 +62,16 @@ class ForwardBatch:
                         all(b - a == 1 for a, b in zip(table, table[1:])) else None
                         for table in (item.request.block_table for item in scheduled)]
         max_blocks = max(len(item.request.block_table) for item in scheduled)
-        block_tables = torch.zeros(len(scheduled), max_blocks, dtype=torch.long)
-        for i, item in enumerate(scheduled):
-            table = item.request.block_table
-            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+        tables = [item.request.block_table for item in scheduled]
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         as_long = dict(dtype=torch.long, device=device)
+        n = len(input_ids)
+        flat = torch.tensor(input_ids + positions + slots, **as_long)  # one copy in, three views out
         return cls(
-            input_ids=torch.tensor(input_ids, **as_long),
-            positions=torch.tensor(positions, **as_long),
+            input_ids=flat[:n],
+            positions=flat[n:2 * n],
             attn=AttentionMetadata(
-                slot_mapping=torch.tensor(slots, **as_long),
+                slot_mapping=flat[2 * n:],
                 query_start_loc=query_start_loc,
                 seq_lens=seq_lens,
                 block_tables=block_tables.to(device),

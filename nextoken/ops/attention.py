@@ -92,9 +92,9 @@ class AttentionMetadata:
         if self._single_queries is None:
             starts = self.query_start_loc
             seqs = [s for s in range(self.num_seqs) if starts[s + 1] - starts[s] == 1]
-            self._single_queries = (torch.tensor([starts[s] for s in seqs], dtype=torch.int64),
-                                    torch.tensor([self.seq_lens[s] for s in seqs], dtype=torch.int64),
-                                    torch.tensor(seqs, dtype=torch.int64))
+            n = len(seqs)
+            flat = torch.tensor([starts[s] for s in seqs] + [self.seq_lens[s] for s in seqs] + seqs, dtype=torch.int64)
+            self._single_queries = (flat[:n], flat[n:2 * n], flat[2 * n:])  # one copy in, three views out
         return self._single_queries  # type: ignore[return-value]
 
     @property
