@@ -165,9 +165,9 @@ def main() -> None:
                 models[name] = lambda name=name: resolve_model(name)
             else:
                 print(f"{name}: not installed here, skipped")
-        for name, make in models.items():
+        for i, (name, make) in enumerate(models.items()):
             path = make()
-            if args.profile and not Path(args.profile).exists():
+            if args.profile and i == 0:
                 Path(args.profile).write_text(profile_decode(path))
             figures = measure(path, batches, args.steps)
             if name in args.real:

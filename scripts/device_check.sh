@@ -24,8 +24,8 @@ python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_graphs.py tests/uni
 # The reference tests of the installed packaged models (a model that is not installed is left out, not failed).
 models=$(python3 -c "
 from nextoken.loader.registry import REGISTRY, is_installed
-keys = {'smollm2-135m-instruct': 'smollm2', 'gemma-3-270m': 'gemma3'}
-print(' or '.join(k for name, k in keys.items() if is_installed(REGISTRY[name])))")
+from tests.conftest import REAL_MODELS
+print(' or '.join(key for key, name in REAL_MODELS.items() if is_installed(REGISTRY[name])))")
 if [ -n "$models" ]; then
     python3 -m pytest -q -s -rs -p no:cacheprovider tests/models/test_reference.py -k "cuda and ($models)" 2>&1 \
         | tee "$out/reference.log" || status=1

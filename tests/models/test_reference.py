@@ -30,10 +30,8 @@ def teacher_forced_logprobs(llm, seq_ids: list[int]) -> torch.Tensor:  # noqa: A
 
 
 def captured(llm) -> bool:  # noqa: ANN001
-    """Whether decode steps replayed CUDA graphs (on CPU there are none to check)."""
+    """Whether a GPU model's decode steps replayed CUDA graphs."""
     graphs = llm.engine.runner.graphs
-    if llm.engine.runner.device.type != "cuda":
-        return graphs is None
     return graphs is not None and bool(graphs.steps) and all(
         step is not None and step.graph is not None for step in graphs.steps.values())
 
@@ -68,7 +66,8 @@ def test_fp32_greedy_continuations_match_reference(model: str, device: str) -> N
     for p, out in zip(prompts, outs):
         assert out.token_ids == p["greedy_ids"], p["id"]
         assert out.finish_reason == ("stop" if p["stopped_on_eog"] else "length"), p["id"]
-    assert captured(llm)
+    if device == "cuda":
+        assert captured(llm)
 
 
 @pytest.mark.parametrize("device", DEVICES)

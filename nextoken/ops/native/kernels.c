@@ -244,9 +244,7 @@ static inline void q4_scales4(const quantized_rows *x, int64_t r, int64_t groups
     }
     _mm_storeu_ps(offset, hsum4_ps(acc[0], acc[1], acc[2], acc[3]));
 }
-#endif
 
-#ifdef NT_AVX2
 /* Block g of weight rows n..n+R-1 against activation rows r0..r0+T-1, into accumulator `which` of each output. */
 static inline __attribute__((always_inline)) void block_into(int kind, int halves, const quantized_rows *x,
                                                              int64_t r0, const int T, const int R, int64_t K,
