@@ -127,3 +127,16 @@ def test_long_context_decode_split_across_threads(kv_dtype: str, window: int | N
     seqs.step([0, 130], gen)
     seqs.step([1, 1], gen)  # as many sequences as threads: one part each
     seqs.step([0, 1], gen)  # 132 positions: a part of 128 and one of 4
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
+def test_short_context_decode_split_by_heads(kv_dtype: str) -> None:
+    """One sequence whose context is too short to split into parts (16 to 127 positions): the native kernel shares
+    its query heads between the threads, each reading its own heads' kv heads (heads 2 and 3 read kv head 1)."""
+    torch.set_num_threads(2)
+    gen = torch.Generator().manual_seed(3)
+    seqs = Sequences([[9, 2, 17, 5, 30, 11, 0, 23, 14, 6, 27]], kv_dtype, None)
+    seqs.step([15], gen)
+    seqs.step([1], gen)  # 16 positions: the first split by heads
+    seqs.step([24], gen)
+    seqs.step([1], gen)

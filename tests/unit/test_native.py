@@ -39,7 +39,7 @@ def portable(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return native.load(native.build(flags=PORTABLE_FLAGS, cache_dir=tmp_path_factory.mktemp("native")))
 
 
-@pytest.mark.parametrize("k", [96, 256, 320])  # blocks per row: 3 (scales one by one), 8 (whole vectors), 10
+@pytest.mark.parametrize("k", [96, 256, 320, 352])  # blocks per row: 3 (scales one by one), 8 (whole vectors), 10, 11
 def test_portable_build_agrees_with_the_vectorized_one(k: int, lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     assert portable.nt_has_avx2() == 0
     gen = torch.Generator().manual_seed(0)

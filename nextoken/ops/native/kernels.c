@@ -62,25 +62,101 @@ int nt_has_avx2(void) {
  * mask per 32-bit word (unpack_q4), with no widening shuffle. int8 weights keep the natural order. */
 static inline int64_t code_at(int64_t j) { return (j & 1) * 16 + (j >> 4) * 8 + ((j & 15) >> 1); }
 
-/* x [K] -> int16 codes (in code_at order where `q4_order`), per block: d = absmax / 32767, s = d * sum(codes).
+/* Where element j of block b goes in a row of `groups` blocks of activation codes for Q4 weights. Blocks are taken
+ * in pairs (b, b + 1 for even b): the 32 bytes of a pair's nibbles, read as 16 int16 words, hold in word w < 8 the
+ * elements 2w, 2w + 16, 2w + 1 and 2w + 17 of the pair's first block (one per nibble, low to high), in words 8..15
+ * the same of its second. A shift and a mask per nibble (pair_into) make four vectors of them; the pair's 64 codes
+ * are stored as the four matching vectors, [k][16], k = 0..3 for the nibbles, first block's 8 then second's. A last
+ * unpaired block keeps code_at. */
+static inline int64_t q4_position(int64_t b, int64_t j, int64_t groups) {
+    if ((b | 1) >= groups) return b * QK + code_at(j);
+    const int64_t nibble = (j >> 4) + 2 * (j & 1);
+    return (b & ~(int64_t)1) * QK + nibble * 16 + (b & 1) * 8 + ((j & 15) >> 1);
+}
+
+#ifdef NT_AVX2
+/* A block's 32 int16 codes (from 4 vectors of int32) as two vectors: elements 0..15 and 16..31 (natural), or, for
+ * Q4, each half's even elements in its low 128 bits and its odd ones in the high 128 bits. */
+static inline void pack_block(const __m256i c[4], int q4_order, __m256i *lo, __m256i *hi) {
+    /* packs: per 128-bit lane, [c0 lane | c1 lane]: elements 0-3 8-11 | 4-7 12-15 */
+    const __m256i a = _mm256_packs_epi32(c[0], c[1]), b = _mm256_packs_epi32(c[2], c[3]);
+    if (!q4_order) {
+        *lo = _mm256_permute4x64_epi64(a, 0xD8);
+        *hi = _mm256_permute4x64_epi64(b, 0xD8);
+        return;
+    }
+    /* per lane, even words to the low 8 bytes: [0 2 8 10 | 1 3 9 11], [4 6 12 14 | 5 7 13 15]; then 32-bit words in
+     * the order 0 4 1 5 2 6 3 7: evens 0..14, odds 1..15 */
+    const __m256i even_odd = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                                              0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    *lo = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(a, even_odd), order);
+    *hi = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(b, even_odd), order);
+}
+#endif
+
+/* x [K] -> int16 codes (in q4_position order where `q4_order`), per block: d = absmax / 32767, s = d * sum(codes).
  * Rounding error under 2e-5 of the block's largest value: below fp32 matmul's own noise at these sizes, far below
- * bf16's. */
+ * bf16's. Codes round to nearest, ties to even, in both paths. */
 static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order) {
-    for (int64_t b = 0; b < K / QK; b++) {
+    const int64_t groups = K / QK;
+#ifdef NT_AVX2
+    __m256i prev_lo = _mm256_setzero_si256(), prev_hi = prev_lo; /* the first block of a pair, until its second */
+    for (int64_t b = 0; b < groups; b++) {
+        const float *xb = x + b * QK;
+        const __m256 abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(xb + 8 * i);
+            m = _mm256_max_ps(m, _mm256_and_ps(v[i], abs));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        const float max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+        __m256i c[4], total = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))); /* nearest, ties to even */
+            total = _mm256_add_epi32(total, c[i]);
+        }
+        __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4E));
+        t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xB1));
+        d[b] = db;
+        s[b] = db * (float)_mm_cvtsi128_si32(t4);
+        __m256i lo, hi;
+        pack_block(c, q4_order, &lo, &hi);
+        __m256i *dst = (__m256i *)(q + (b & ~(int64_t)1) * QK);
+        if (!q4_order || (b | 1) >= groups) { /* natural, or an unpaired Q4 block: code_at */
+            _mm256_storeu_si256((__m256i *)(q + b * QK),
+                                q4_order ? _mm256_permute2x128_si256(lo, hi, 0x20) : lo);
+            _mm256_storeu_si256((__m256i *)(q + b * QK) + 1,
+                                q4_order ? _mm256_permute2x128_si256(lo, hi, 0x31) : hi);
+        } else if (b & 1) { /* a pair: per nibble k, the first block's 8 codes then the second's */
+            _mm256_storeu_si256(dst, _mm256_permute2x128_si256(prev_lo, lo, 0x20));
+            _mm256_storeu_si256(dst + 1, _mm256_permute2x128_si256(prev_hi, hi, 0x20));
+            _mm256_storeu_si256(dst + 2, _mm256_permute2x128_si256(prev_lo, lo, 0x31));
+            _mm256_storeu_si256(dst + 3, _mm256_permute2x128_si256(prev_hi, hi, 0x31));
+        } else {
+            prev_lo = lo, prev_hi = hi;
+        }
+    }
+#else
+    for (int64_t b = 0; b < groups; b++) {
         const float *xb = x + b * QK;
         float max = 0.0f;
-#pragma omp simd reduction(max : max)
-        for (int i = 0; i < QK; i++) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max; /* fmaxf is a libm call here */
+        for (int i = 0; i < QK; i++) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max;
         const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
             const int16_t code = (int16_t)nearbyintf(xb[i] * inv);
-            q[b * QK + (q4_order ? code_at(i) : i)] = code;
+            q[q4_order ? q4_position(b, i, groups) : b * QK + i] = code;
             sum += code;
         }
         d[b] = db;
         s[b] = db * (float)sum;
     }
+#endif
 }
 
 typedef struct {
@@ -197,7 +273,8 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
  * loop is integer products and one multiply-add per block. Inlined for each constant shape (T activation rows by R
  * weight rows), so that the accumulators stay in registers. */
 #ifdef NT_AVX2
-/* Block g of Q4 weight row n as two int16 vectors in the activations' order (code_at): A holds the even elements of
+/* Block g of Q4 weight row n, a last block without a pair (see pair_into for the others), as two int16 vectors in
+ * the activations' order (code_at): A holds the even elements of
  * each half, B the odd ones; lane 0 is the first half, lane 1 the second. Both lanes hold the 16 bytes, shifted per
  * lane by 0 / 4 (A) and 8 / 12 (B) bits and masked to one nibble per 16-bit word. */
 static inline __attribute__((always_inline)) void unpack_q4(const void *qs, int64_t n, int64_t K, int64_t g,
@@ -287,6 +364,35 @@ static inline __attribute__((always_inline)) void block_into(int kind, int halve
         }
     }
 }
+/* Blocks g and g + 1 of Q4 weight rows n..n+R-1 against activation rows r0..r0+T-1 (codes in q4_position order),
+ * into accumulator `which`: the pair's 32 bytes of nibbles are four int16 vectors by three shifts and three masks
+ * (per 16-bit word: elements 2w, 2w + 16, 2w + 1, 2w + 17, the first block in words 0..7, the second in 8..15). The
+ * four products are summed as integers; lanes 0..3 then belong to block g and 4..7 to g + 1, so one multiply-add
+ * by [scale g x 4 | scale g + 1 x 4] finishes the pair. */
+static inline __attribute__((always_inline)) void pair_into(const quantized_rows *x, int64_t r0, const int T,
+                                                            const int R, int64_t K, const void *qs, int64_t n,
+                                                            int64_t g, float scale[][2 * MAX_GROUPS],
+                                                            __m256 acc[][2], const int which) {
+    const __m256i nibble = _mm256_set1_epi16(0x000F);
+    const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    for (int j = 0; j < R; j++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)qs + (n + j) * (K / 2) + g * 16));
+        const __m256i w0 = _mm256_and_si256(v, nibble), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                      w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), w3 = _mm256_srli_epi16(v, 12);
+        for (int i = 0; i < T; i++) {
+            const __m256i *a = (const __m256i *)(x->q + (r0 + i) * K + g * QK);
+            const __m256i sum = _mm256_add_epi32(
+                _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(a)),
+                                 _mm256_madd_epi16(w1, _mm256_loadu_si256(a + 1))),
+                _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(a + 2)),
+                                 _mm256_madd_epi16(w3, _mm256_loadu_si256(a + 3))));
+            const int k = i * R + j;
+            const __m256 sc = _mm256_permutevar8x32_ps(
+                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)&scale[k][g]))), spread);
+            acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sc, acc[k][which]);
+        }
+    }
+}
 #endif
 
 /* out[r0 + i, n + j] for i < T, j < R. One activation row meets four Q4 weight rows at a time (R = 4): its codes are
@@ -317,7 +423,14 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
         __m256 acc[TILE][2];
         for (int k = 0; k < T * R; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
         int64_t g = 0;
-        if (T * R < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
+        if (kind == 4) { /* blocks in pairs; two chains per output where there are few outputs */
+            if (T * R < 4)
+                for (; g + 4 <= groups; g += 4) {
+                    pair_into(x, r0, T, R, K, qs, n, g, scale, acc, 0);
+                    pair_into(x, r0, T, R, K, qs, n, g + 2, scale, acc, 1);
+                }
+            for (; g + 2 <= groups; g += 2) pair_into(x, r0, T, R, K, qs, n, g, scale, acc, 0);
+        } else if (T * R < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
             for (; g + 2 <= groups; g += 2) {
                 block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
                 block_into(kind, halves, x, r0, T, R, K, qs, n, g + 1, scale, acc, 1);
@@ -354,7 +467,7 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
                         } else {
                             w = ((const int8_t *)qs)[(n + j) * K + g * QK + e];
                         }
-                        sum[e / 16] += w * a[g * QK + (kind == 4 ? code_at(e) : e)];
+                        sum[e / 16] += w * a[kind == 4 ? q4_position(g, e, groups) : g * QK + e];
                     }
                     if (halves == 2) acc += (float)sum[0] * scale[k][2 * g] + (float)sum[1] * scale[k][2 * g + 1];
                     else acc += (float)(sum[0] + sum[1]) * scale[k][g];
@@ -785,9 +898,9 @@ static inline void weighted_sum64(float *o, const float *const *rows, int64_t of
  * pointers (converted into `row`, ATT_GROUP x width floats, for narrow caches); scores of a head eight positions at
  * once; each head's output accumulated in registers over the whole group. The next group's rows are requested
  * while one is computed. */
-static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, const kv_store *ks,
-                    const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count, float scale,
-                    float *scores, float *row, const int64_t *at) {
+static void attend8(const float *q, float *out, float *max, float *sum, int64_t heads, int64_t h0,
+                    const kv_store *ks, const kv_store *vs, int64_t rep, int64_t D, int64_t width, int64_t count,
+                    float scale, float *scores, float *row, const int64_t *at) {
     const float *rows[ATT_GROUP], *heads_at[8];
     const __m256 sv = _mm256_set1_ps(scale);
     for (int64_t j0 = 0; j0 < count; j0 += ATT_GROUP) {
@@ -796,7 +909,7 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
         for (int64_t i = 0; i < ng; i++) rows[i] = token_kv(ks, at[j0 + i] * D, width, row + i * width);
         for (int64_t i = ng; i < (ng + 7) / 8 * 8; i++) rows[i] = rows[0]; /* a last partial eight: scores unused */
         for (int64_t h = 0; h < heads; h++) {
-            const int64_t off = (h / rep) * D;
+            const int64_t off = ((h0 + h) / rep) * D;
             float *sh = scores + h * count + j0;
             for (int64_t i0 = 0; i0 < ng; i0 += 8) {
                 for (int i = 0; i < 8; i++) heads_at[i] = rows[i0 + i] + off;
@@ -819,7 +932,7 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
         for (int64_t i = 0; i < ng; i++) rows[i] = token_kv(vs, at[j0 + i] * D, width, row + i * width);
         for (int64_t h = 0; h < heads; h++) {
             const float *w = scores + h * count + j0;
-            const int64_t off = (h / rep) * D;
+            const int64_t off = ((h0 + h) / rep) * D;
             float *o = out + h * D;
             int64_t d = 0;
             for (; d + 64 <= D; d += 64) weighted_sum64(o + d, rows, off + d, w, ng);
@@ -834,27 +947,27 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
 }
 #endif
 
-/* Attention of all query heads [heads, D] of one token over positions [first, len) of a sequence whose blocks are
- * `table`: query head h reads kv head h / (heads / kv_heads). Positions are visited once, all kv heads of a token
+/* Attention of `heads` query heads [heads, D] of one token, from head h0 of the model's on, over positions
+ * [first, len) of a sequence whose blocks are `table`: query head h0 + h reads kv head (h0 + h) / rep. Positions are visited once, all kv heads of a token
  * together (they are neighbours in the cache). Leaves out[h] = sum_p exp(s_p - max[h]) v_p unnormalized, with
  * max[h] and sum[h] = sum_p exp(s_p - max[h]), so that parts of one sequence's positions can be merged.
  * `scores` has room for heads * (len - first) floats, `row` for ATT_GROUP * kv_heads * D, `at` for len - first
  * indices. */
-static void attend(const float *q, float *out, float *max, float *sum, int64_t heads, const nt_cache *c,
-                   int64_t kv_heads, int64_t D, const int64_t *table, int64_t first, int64_t len, float scale,
-                   float *scores, float *row, int64_t *at) {
-    const int64_t count = len - first, rep = heads / kv_heads, width = kv_heads * D;
+static void attend(const float *q, float *out, float *max, float *sum, int64_t heads, int64_t h0, int64_t rep,
+                   const nt_cache *c, int64_t kv_heads, int64_t D, const int64_t *table, int64_t first, int64_t len,
+                   float scale, float *scores, float *row, int64_t *at) {
+    const int64_t count = len - first, width = kv_heads * D;
     const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
     cache_rows(table, c->block_size, kv_heads, first, len, at);
 #ifdef NT_AVX2
     if (D % 8 == 0) {
-        attend8(q, out, max, sum, heads, &ks, &vs, rep, D, width, count, scale, scores, row, at);
+        attend8(q, out, max, sum, heads, h0, &ks, &vs, rep, D, width, count, scale, scores, row, at);
         return;
     }
 #endif
     for (int64_t j = 0; j < count; j++) {
         const float *keys = token_kv(&ks, at[j] * D, width, row);
-        for (int64_t h = 0; h < heads; h++) scores[h * count + j] = scale * dot_f32(q + h * D, keys + (h / rep) * D, D);
+        for (int64_t h = 0; h < heads; h++) scores[h * count + j] = scale * dot_f32(q + h * D, keys + ((h0 + h) / rep) * D, D);
     }
     softmax_parts(scores, heads, count, max, sum);
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
@@ -862,7 +975,7 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
         const float *values = token_kv(&vs, at[j] * D, width, row);
         for (int64_t h = 0; h < heads; h++) {
             float *o = out + h * D;
-            const float *value = values + (h / rep) * D, w = scores[h * count + j];
+            const float *value = values + ((h0 + h) / rep) * D, w = scores[h * count + j];
 #pragma omp simd
             for (int64_t i = 0; i < D; i++) o[i] += w * value[i];
         }
@@ -871,13 +984,16 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
 
 /* Positions per part when one sequence's context is split across threads (fewer sequences than threads). */
 #define SPLIT_MIN 128
+/* Positions from which a context too short to split is shared between threads by its query heads instead. */
+#define HEAD_SPLIT_MIN 16
 
 /* One new query token per listed sequence, attending over that sequence's cached tokens (its own K/V included):
  * out[rows[i], h] = softmax(scale * q[rows[i], h] . K^T) V over positions [max(0, len - window), len) of sequence i,
  * whose blocks are tables[table_rows[i] * table_stride + ...] (rows, table_rows: NULL for 0, 1, 2, ...). Query
  * heads map to kv heads in groups (GQA). q and out are [tokens, heads, head_dim] fp32. head_dim must be a multiple
  * of 32 for int8 caches. With fewer sequences than threads, each context is split into parts attended on their own
- * and merged by their softmax maxima and sums (as flash-decoding does), so a single sequence uses every thread. */
+ * and merged by their softmax maxima and sums (as flash-decoding does), so a single sequence uses every thread; a
+ * context shorter than two parts is shared out by its query heads instead (no merge). */
 static int decode_attention(const float *q, float *out, int64_t n, const int64_t *rows, const int64_t *seq_lens,
                             const int64_t *tables, const int64_t *table_rows, int64_t table_stride,
                             const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
@@ -885,21 +1001,24 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
     if (c->kind == 2 && D % QK) return -1;
     /* parts per sequence: one per thread where there are fewer sequences than threads, but none under SPLIT_MIN
      * positions (a short context is not worth a second thread and a merge) */
-    int64_t parts = 1;
+    int64_t parts = 1, groups = 1; /* groups: of query heads per part */
     if (n < threads) {
         int64_t longest = 0;
         for (int64_t i = 0; i < n; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
         if (window > 0 && longest > window) longest = window;
         parts = (longest + SPLIT_MIN - 1) / SPLIT_MIN;
         parts = parts < 1 ? 1 : parts > threads ? threads : parts;
+        if (parts == 1 && longest >= HEAD_SPLIT_MIN) groups = threads / n < heads ? threads / n : heads;
     }
+    const int64_t rep = heads / kv_heads;
     /* per (sequence, part): heads * D outputs, heads maxima and sums */
     float *partial = parts > 1 ? malloc((size_t)(n * parts * heads * (D + 2)) * sizeof(float)) : NULL;
     if (parts > 1 && !partial) return -1;
     int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n * parts > 1)
-    for (int64_t task = 0; task < n * parts; task++) {
-        const int64_t i = task / parts, part = task % parts;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1) if (threads > 1 && n * parts * groups > 1)
+    for (int64_t task = 0; task < n * parts * groups; task++) {
+        const int64_t i = task / (parts * groups), part = task / groups % parts, group = task % groups;
+        const int64_t h0 = group * heads / groups, nh = (group + 1) * heads / groups - h0; /* all when groups = 1 */
         const int64_t len = seq_lens[i];
         const int64_t start = window > 0 && len > window ? len - window : 0;
         int64_t first = start, last = len;
@@ -910,26 +1029,27 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
             last = first + share < len ? first + share : len;
         }
         const int64_t at = (rows ? rows[i] : i) * heads * D, count = last - first;
-        float *o = parts > 1 ? partial + task * heads * (D + 2) : out + at; /* a part's maxima and sums follow it */
+        float *o = parts > 1 ? partial + (i * parts + part) * heads * (D + 2) : out + at; /* then maxima, sums */
         if (count == 0) { /* an empty part (parts > 1): contributes nothing */
             for (int64_t h = 0; h < heads; h++) o[heads * D + h] = -INFINITY, o[heads * D + heads + h] = 0.0f;
             continue;
         }
         /* cache rows of the positions, then scores, a converted row, and (one part) the maxima and sums */
         int64_t *rows_at = malloc((size_t)count * sizeof(int64_t) +
-                                  (size_t)(count * heads + ATT_GROUP * kv_heads * D + 2 * heads) * sizeof(float));
+                                  (size_t)(count * nh + ATT_GROUP * kv_heads * D + 2 * nh) * sizeof(float));
         if (!rows_at) {
             failed = 1;
             continue;
         }
-        float *scores = (float *)(rows_at + count), *row = scores + count * heads;
-        float *max = parts > 1 ? o + heads * D : row + ATT_GROUP * kv_heads * D, *sum = max + heads;
-        attend(q + at, o, max, sum, heads, c, kv_heads, D, tables + (table_rows ? table_rows[i] : i) * table_stride,
-               first, last, scale, scores, row, rows_at);
+        float *scores = (float *)(rows_at + count), *row = scores + count * nh;
+        /* parts > 1 (then all heads): after the part's outputs; else this task's heads' own, in scratch */
+        float *max = parts > 1 ? o + heads * D : row + ATT_GROUP * kv_heads * D, *sum = max + (parts > 1 ? heads : nh);
+        attend(q + at + h0 * D, o + h0 * D, max, sum, nh, h0, rep, c, kv_heads, D,
+               tables + (table_rows ? table_rows[i] : i) * table_stride, first, last, scale, scores, row, rows_at);
         if (parts == 1) {
-            for (int64_t h = 0; h < heads; h++) {
+            for (int64_t h = 0; h < nh; h++) {
                 const float inv = 1.0f / sum[h];
-                for (int64_t j = 0; j < D; j++) o[h * D + j] *= inv;
+                for (int64_t j = 0; j < D; j++) o[(h0 + h) * D + j] *= inv;
             }
         }
         free(rows_at);
