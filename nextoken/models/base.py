@@ -21,9 +21,11 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import Linear, RMSNorm
+from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
-                                       q4_codes, q4_weight, q5_codes, q8_0_codes, q6_codes, q8_codes, q8_weight, regroup)
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear,
+                                       Int8GroupHead, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
+                                       q8_weight, regroup)
 
 
 class CausalLM(nn.Module):
@@ -110,7 +112,9 @@ class CausalLM(nn.Module):
         Q8_0 tensors (llama.cpp's mixes keep some so) become int8 blocks exactly; other types are requantized to
         int8, float files regrouped into 4 bits. int8: int8 blocks everywhere (Q5_0, Q6_K, Q8_0 exactly). With
         `quantize_head`, decode rows go through `Int8GroupHead` (CPU only), and a Q8_0 token table stays in its
-        blocks (`BlockEmbedding`): no fp32 copy, and a tied head rescores its candidates from the same blocks."""
+        blocks (`BlockEmbedding`): no fp32 copy, and a tied head rescores its candidates from the same blocks.
+        Projections whose blocks are exactly their weights (EXACT_PANEL_TYPES) are not dequantized at all on CPU: the
+        native kernels build their GEMM panels from the blocks."""
         state: dict[str, torch.Tensor] = {}
         sources: dict[str, list[tuple[str, torch.Tensor]]] = {}  # projection -> (file tensor, transformed weight)
         embedding = gguf.tensors.get("token_embd.weight")
@@ -119,8 +123,23 @@ class CausalLM(nn.Module):
                 and self.config.hidden_size % GROUP_SIZE == 0):
             self.embed_tokens = BlockEmbedding(*q8_0_codes(gguf.raw(embedding.name), embedding.shape))
         expected = dict(self.named_parameters())
+        # Projections whose file blocks hold their weights exactly skip the fp32 copy: the native kernels dequantize
+        # their GEMM panels straight from the blocks (BlockLinear).
+        exact_types = EXACT_PANEL_TYPES.get(quant or "", ()) if device.type == "cpu" and native.library() else ()
         for param, files in self.gguf_tensor_map().items():
             if param == "embed_tokens.weight" and isinstance(self.embed_tokens, BlockEmbedding):
+                continue
+            infos = [gguf.tensors.get(name) for name in files]
+            if param.endswith("_proj.weight") and all(i is not None and i.qtype in exact_types for i in infos):
+                shape = (sum(i.shape[0] for i in infos), infos[0].shape[1])  # type: ignore[union-attr]
+                if shape != tuple(expected[param].shape) or any(i.shape[1] != shape[1] for i in infos):  # type: ignore[union-attr]
+                    raise ModelLoadError(gguf.path, f"tensor(s) {', '.join(files)} have shapes "
+                                                    f"{[tuple(i.shape) for i in infos]}, expected "  # type: ignore[union-attr]
+                                                    f"{tuple(expected[param].shape)} for this configuration")
+                sources[param] = [(name, None) for name in files]
+                state[param] = torch.empty(shape)  # a placeholder: its BlockLinear replaces it below
+                if progress is not None:
+                    progress(param)
                 continue
             parts = []
             for name in files:
@@ -147,7 +166,8 @@ class CausalLM(nn.Module):
         self.requires_grad_(False)
         for param, parts in sources.items():
             owner, attr, dense = self._projection(param)
-            setattr(owner, attr, self._block_projection(gguf, parts, dense, quant))
+            exact = parts[0][1] is None  # the blocks alone hold the weight
+            setattr(owner, attr, self._block_projection(gguf, parts, None if exact else dense, quant, dense.shape))
         if quantize_head and self.config.hidden_size % GROUP_SIZE == 0:  # int8 groups along the hidden size
             if self.lm_head is None and isinstance(self.embed_tokens, BlockEmbedding):
                 self.quantized_head = Int8GroupHead(self.embed_tokens.codes, self.embed_tokens.scales)
@@ -165,9 +185,10 @@ class CausalLM(nn.Module):
         owner = self.get_submodule(owner_name)
         return owner, attr, getattr(owner, attr).weight.data
 
-    def _block_projection(self, gguf: GGUFFile, parts: list[tuple[str, torch.Tensor]], dense: torch.Tensor,
-                          quant: str | None) -> BlockLinear:
-        """One fused projection from its file tensors (and their transformed float weights) as `quant` blocks."""
+    def _block_projection(self, gguf: GGUFFile, parts: list[tuple[str, torch.Tensor | None]],
+                          dense: torch.Tensor | None, quant: str | None, shape: tuple[int, ...]) -> BlockLinear:
+        """One fused projection from its file tensors (and their transformed float weights; None where the blocks
+        are exactly the weight, see EXACT_PANEL_TYPES) as `quant` blocks."""
         blocks = []
         for name, weight in parts:
             info = gguf.tensors[name]
@@ -181,10 +202,11 @@ class CausalLM(nn.Module):
             elif info.qtype == GGMLQuantizationType.Q6_K:
                 blocks.append(q8_weight(*self._reorder(name, q6_codes(gguf.raw(name), info.shape))))
             elif info.qtype == GGMLQuantizationType.Q8_0:
-                blocks.append(q8_weight(*self._reorder(name, q8_codes(gguf.raw(name), info.qtype, weight))))
+                blocks.append(q8_weight(*self._reorder(name, q8_0_codes(gguf.raw(name), info.shape))))
             else:
+                assert weight is not None  # only exact types come without their float weight
                 blocks.append(q8_weight(*q8_codes(None, None, weight)))
-        return BlockLinear(blocks, dense)
+        return BlockLinear(blocks, dense, (shape[0], shape[1]))
 
     def _reorder(self, name: str, rows_first: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Apply the architecture's layout fix (a permutation of rows) to codes and scales read from the file: find

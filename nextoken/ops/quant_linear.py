@@ -48,6 +48,9 @@ _Q = GGMLQuantizationType
 Q4_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K)
 FLOAT_TYPES = (_Q.F32, _Q.F16, _Q.BF16)
 EXACT_BLOCK_TYPES = (*Q4_TYPES, _Q.Q5_0, _Q.Q6_K, _Q.Q8_0)  # held without requantizing (Q4 or int8 blocks)
+# Held as exactly the file's weights, scales included (Q4_K's sub-block scales d * sc need more bits than the fp16
+# the Q4 kernels keep): their fp32 weight comes from the blocks themselves (BlockLinear without `dense`).
+EXACT_PANEL_TYPES = {"int4": (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q6_K, _Q.Q8_0), "int8": (_Q.Q5_0, _Q.Q6_K, _Q.Q8_0)}
 
 
 Q4, Q8, Q8_HALVES = 4, 8, 6  # the kernels' weight formats (ops/native/kernels.c, nt_block_matmul)
@@ -103,19 +106,30 @@ def _merge(parts: list[BlockWeight]) -> list[BlockWeight]:
 
 class BlockLinear(nn.Module):
     """A projection held as block-quantized parts (stacked output rows, each in its own format), for up to
-    `max_rows` rows; larger batches take an fp32 GEMM over `panels` (native) or the dense `dense` (torch)."""
+    `max_rows` rows; larger batches take an fp32 GEMM over `panels` (native) or the dense `dense` (torch).
 
-    def __init__(self, parts: list[BlockWeight], dense: torch.Tensor) -> None:
+    `dense` is the fp32 weight [out, in]; None where the parts hold the weight exactly (the file's own blocks, see
+    EXACT_PANEL_TYPES): the native kernels then dequantize the panels straight from them, and no fp32 copy of the
+    weight is ever made (`shape` gives its size)."""
+
+    def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
+                 shape: tuple[int, int] | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = dense.shape
+        self.out_features, self.in_features = dense.shape if dense is not None else shape  # type: ignore[misc]
         if sum(p.rows for p in parts) != self.out_features:
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
         self.lib = native.library()
         panels = None
+        if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
+            raise ValueError("a projection without its fp32 weight needs the native kernels")
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = NATIVE_MAX_ROWS
-            panels = native.pack(self.lib, dense)
+            if dense is None:
+                panels = native.pack_blocks(self.lib, [(p.kind, p.qs, p.d, p.m) for p in self.parts],
+                                            self.out_features, self.in_features)
+            else:
+                panels = native.pack(self.lib, dense)
         elif all(p.kind == Q4 for p in self.parts):  # torch's int4 kernel (bf16 activations)
             self.lib = None
             self.max_rows = TORCH_INT4_MAX_ROWS

@@ -13,9 +13,9 @@ from gguf import GGMLQuantizationType
 
 from nextoken.loader.dequant import dequantize
 from nextoken.ops import native
-from nextoken.ops.quant_linear import (HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockEmbedding, BlockLinear,
-                                        Int8GroupHead, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
-                                        q8_weight, regroup, unpack_nibbles)
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES,
+                                        BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes, q4_weight,
+                                        q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup, unpack_nibbles)
 
 _Q = GGMLQuantizationType
 
@@ -113,6 +113,44 @@ def test_block_linear_matches_dense_on_native_kernels(rows: int, cols: int) -> N
     # few 1e-5 of the sum of the products' sizes (that of bf16 activations is about 4e-3).
     bound = F.linear(x.abs().double(), dense.abs().double()) * 5e-5
     assert ((layer(x).double() - expected).abs() <= bound).all()
+
+
+def exact_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
+    """File blocks of `qtype` as the loader converts them without a float weight, and their dequantized weight."""
+    raw = (random_blocks(qtype, rows, cols, seed) if qtype == _Q.Q6_K else gguf.quants.quantize(
+        np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32), qtype).reshape(-1))
+    if qtype in (_Q.Q4_0, _Q.Q4_1):
+        block = q4_weight(*q4_codes(raw, qtype, (rows, cols)))  # type: ignore[misc]
+    else:
+        codes = {_Q.Q5_0: q5_codes, _Q.Q6_K: q6_codes, _Q.Q8_0: q8_0_codes}[qtype](raw, (rows, cols))
+        block = q8_weight(*codes)
+    return block, dequantize(raw, qtype, (rows, cols))
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
+    """A fused projection of every type whose blocks hold the weight exactly (int4: Q4_0, Q4_1, Q5_0, Q6_K, Q8_0;
+    int8: the 5-, 6- and 8-bit ones): without its fp32 weight, the panels dequantized from the blocks are
+    bit-identical to those packed from the loader's dequantization, panels shared by two parts included."""
+    lib = native.library()
+    assert lib is not None
+    made = [exact_blocks(qtype, rows, 256, seed=rows)
+            for qtype, rows in zip(EXACT_PANEL_TYPES[quant], (13, 21, 7, 18, 5))]
+    weight = torch.cat([w for _, w in made])
+    layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape))
+    assert layer.dense is None and torch.equal(layer.panels, native.pack(lib, weight))
+    assert torch.equal(layer.weight, weight)
+    x = torch.randn(NATIVE_MAX_ROWS + 3, 256)
+    torch.testing.assert_close(layer(x), F.linear(x, weight), rtol=1e-4, atol=1e-4)  # two GEMMs' orders
+    with pytest.raises(ValueError, match="rows"):
+        native.pack_blocks(lib, [(p.kind, p.qs, p.d, p.m) for p in layer.parts], weight.shape[0] + 1, 256)
+
+
+def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    block, weight = exact_blocks(_Q.Q8_0, 8, 64, seed=0)
+    monkeypatch.setattr(native, "library", lambda: None)
+    with pytest.raises(ValueError, match="native kernels"):
+        BlockLinear([block], None, tuple(weight.shape))
 
 
 def test_block_linear_uses_the_dense_weight_for_large_batches() -> None:

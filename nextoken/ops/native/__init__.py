@@ -144,6 +144,27 @@ def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
     return panels
 
 
+_SIGNATURES["nt_sgemm_pack_blocks"] = (_i32, [_i32, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i32])
+
+
+def pack_blocks(lib: ctypes.CDLL, parts: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]], n: int,
+                k: int) -> torch.Tensor:
+    """The panels `pack` makes of a weight [n, k] stacked from block-quantized parts (kind, qs, d, m; formats as
+    block_matmul takes them, rows in order), dequantized straight into place: no dense fp32 copy is ever made."""
+    if sum(qs.shape[0] for _, qs, _, _ in parts) != n:
+        raise ValueError(f"pack_blocks: parts hold {sum(qs.shape[0] for _, qs, _, _ in parts)} rows, expected {n}")
+    panels = torch.empty(lib.nt_sgemm_packed_size(n, k))
+    if n % PANEL:  # the last panel's columns past n
+        panels[n // PANEL * PANEL * k:] = 0.0
+    first = 0
+    for kind, qs, d, m in parts:
+        if lib.nt_sgemm_pack_blocks(kind, qs.data_ptr(), d.data_ptr(), None if m is None else m.data_ptr(),
+                                    qs.shape[0], k, panels.data_ptr(), first, torch.get_num_threads()):
+            raise ValueError(f"pack_blocks: format {kind} or input size {k} unsupported, or out of memory")
+        first += qs.shape[0]
+    return panels
+
+
 def unpack(panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The dense [n, k] weight that `pack` made `panels` from."""
     return panels.view(-1, k, PANEL).transpose(1, 2).reshape(-1, k)[:n]

@@ -675,6 +675,42 @@ void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int thre
     }
 }
 
+/* Rows first..first+N-1 of a packed weight (nt_sgemm_pack's panels, K values a row) from N block-quantized rows
+ * (kind 4, 6 or 8; see nt_block_matmul), dequantized as nt_block_gemm does: the panels straight from the blocks,
+ * with no dense fp32 copy on the way. Rows of a panel outside [first, first + N) are left as they are (another
+ * part's, or padding the caller zeroes). Returns 0, or -1 for an unknown kind, K not a multiple of 32, or no
+ * memory. */
+int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t *m, int64_t N, int64_t K,
+                         float *packed, int64_t first, int threads) {
+    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || first < 0 || N < 0) return -1;
+    const int64_t p0 = first / SG_COLS, p1 = (first + N + SG_COLS - 1) / SG_COLS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && p1 - p0 > 1)
+    {
+        float *rows = malloc((size_t)(SG_COLS * K) * sizeof(float));
+        if (!rows) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t p = p0; p < p1; p++) {
+            if (!rows) continue;
+            const int64_t r0 = p * SG_COLS;
+            float *panel = packed + r0 * K;
+            if (r0 >= first && r0 + SG_COLS <= first + N) { /* a whole panel of this part's rows */
+                for (int64_t j = 0; j < SG_COLS; j++) dequantize_row(kind, qs, d, m, r0 + j - first, K, rows + j * K);
+                to_panel(rows, K, panel);
+                continue;
+            }
+            for (int64_t j = 0; j < SG_COLS; j++) { /* a panel shared with a neighbouring part or the padding */
+                const int64_t n = r0 + j - first;
+                if (n < 0 || n >= N) continue;
+                dequantize_row(kind, qs, d, m, n, K, rows);
+                for (int64_t k = 0; k < K; k++) panel[k * SG_COLS + j] = rows[k];
+            }
+        }
+        free(rows);
+    }
+    return failed ? -1 : 0;
+}
+
 /* nt_block_matmul's product through the fp32 GEMM, for batches bound by compute: each thread dequantizes 16
  * weight rows at a time into a panel of its own (a few percent of the multiply-adds at 64 rows) and runs every row
  * tile of x over it, so no fp32 copy of the weight is kept. Returns 0, or -1 as nt_block_matmul. */
