@@ -269,6 +269,10 @@ def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight:
 def q8_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]) of Q8_0 blocks (fp16 d, 32 int8 codes; w = d * q)."""
     rows, cols = shape
+    lib = native.library()
+    if lib is not None:  # one pass in C, the GIL released (a 262k-token table: 168 MB)
+        codes_t, d16 = native.unpack_blocks(lib, "q8_0", np.ascontiguousarray(raw).reshape(-1))
+        return codes_t.view(rows, cols), d16.float().view(rows, cols // GROUP_SIZE)
     blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 2 + GROUP_SIZE)  # 2-D: numpy copies 3-D slices of
     d = _half(blocks[:, 0:2]).reshape(rows, cols // GROUP_SIZE)                   # these far more slowly
     codes = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
@@ -282,6 +286,10 @@ def q5_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     nibbles (element j the low nibble of byte j, element j + 16 the high one); w = d * (code - 16).
     """
     rows, cols = shape
+    lib = native.library()
+    if lib is not None:  # one pass in C, the GIL released
+        codes_t, d16 = native.unpack_blocks(lib, "q5_0", np.ascontiguousarray(raw).reshape(-1))
+        return codes_t.view(rows, cols), d16.float().view(rows, cols // GROUP_SIZE)
     blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 22)
     d = _half(blocks[:, 0:2])
     high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [blocks, 32]: bit j of the 32-bit mask

@@ -3,6 +3,7 @@ no greedy output, stop conditions, length errors, seeded sampling, abort."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from nextoken import LLM, SamplingParams
-from nextoken.errors import PromptTooLong
+from nextoken.engine import engine as engine_module
+from nextoken.errors import ModelLoadError, PromptTooLong
+from nextoken.loader.gguf import GGUFFile, read_gguf
 
 PROMPTS = ["the cat sat on the mat", "hello", "in the beginning there was the word and the word was",
            "a", "seven seas", "the the the the the the the the the the the the the the the the the", "on at en"]
@@ -193,3 +196,30 @@ def test_loading_a_model_leaves_torch_dynamo_unimported(arch: str, tiny_llama: P
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cyclic collector is off while a model loads (its allocations would only trigger rescans), and is left as
+    it was found: on after a load, on after a failed one, still off if the caller had turned it off."""
+    seen = []
+
+    def watching(path: Path) -> GGUFFile:
+        seen.append(gc.isenabled())
+        return read_gguf(path)
+
+    monkeypatch.setattr(engine_module, "read_gguf", watching)
+    assert gc.isenabled()
+    _llm(tiny_llama)
+    assert seen == [False] and gc.isenabled()
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 12)
+    with pytest.raises(ModelLoadError, match="broken.gguf"):
+        _llm(bad)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        _llm(tiny_llama)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -53,7 +53,14 @@ def test_q4_codes_reproduce_dequantized_weights(qtype: GGMLQuantizationType) -> 
     torch.testing.assert_close(rebuild_q4(codes, d, m), expected, rtol=1e-6, atol=1e-6)
 
 
-def test_q5_0_and_q6_k_and_q8_0_codes_are_exact() -> None:
+@pytest.mark.parametrize("unpacker", ["native", "numpy"])
+def test_q5_0_and_q6_k_and_q8_0_codes_are_exact(unpacker: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Codes and scales reproduce the loader's (ggml-exact) weights, unpacked in C or, without the native kernels,
+    by numpy."""
+    if unpacker == "numpy":
+        monkeypatch.setattr(native, "library", lambda: None)
+    else:
+        assert native.library() is not None
     rows, cols = 24, 256
     weight = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
     for qtype in (_Q.Q5_0, _Q.Q8_0, _Q.Q6_K):

@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 logger = logging.getLogger("nextoken.native")
@@ -194,6 +195,24 @@ def gated(lib: ctypes.CDLL, activation: int, gate: torch.Tensor, up: torch.Tenso
     out = torch.empty_like(gate)
     lib.nt_gated(activation, gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
     return out
+
+
+_SIGNATURES["nt_unpack_q8_0"] = (None, [_ptr, _i64, _ptr, _ptr, _i32])
+_SIGNATURES["nt_unpack_q5_0"] = (None, [_ptr, _i64, _ptr, _ptr, _i32])
+_BLOCK_BYTES = {"q8_0": 34, "q5_0": 22}
+
+
+def unpack_blocks(lib: ctypes.CDLL, kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tensor's Q8_0 or Q5_0 file blocks (`kind` "q8_0" or "q5_0"; raw: contiguous uint8, as the file holds them,
+    read-only is fine) -> (int8 codes [blocks, 32], fp16 scales [blocks]) with w = scale * code, Q5_0's codes shifted
+    to -16..15. One pass in C with the GIL released, where numpy takes several over the whole tensor."""
+    size = _BLOCK_BYTES[kind]
+    if raw.dtype != np.uint8 or not raw.flags.c_contiguous or raw.size % size:
+        raise ValueError(f"unpack_blocks: {kind} blocks must be contiguous bytes, a multiple of {size}")
+    n = raw.size // size
+    codes, d = torch.empty(n, 32, dtype=torch.int8), torch.empty(n, dtype=torch.float16)
+    getattr(lib, f"nt_unpack_{kind}")(raw.ctypes.data, n, codes.data_ptr(), d.data_ptr(), torch.get_num_threads())
+    return codes, d
 
 
 _SIGNATURES["nt_embed_q8"] = (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr])

@@ -739,6 +739,38 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
     return failed ? -1 : 0;
 }
 
+/* ------------------------------------------------------------ file blocks */
+
+/* n Q8_0 blocks (34 bytes: fp16 d, 32 int8 codes) -> codes [n * 32] and d [n] (the fp16 bits as stored): a strided
+ * copy, split across threads. */
+void nt_unpack_q8_0(const uint8_t *raw, int64_t n, int8_t *codes, uint16_t *d, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 4096)
+    for (int64_t b = 0; b < n; b++) {
+        const uint8_t *block = raw + b * 34;
+        memcpy(&d[b], block, 2);
+        memcpy(codes + b * QK, block + 2, QK);
+    }
+}
+
+/* n Q5_0 blocks (22 bytes: fp16 d, a 32-bit mask of the codes' fifth bits (bit j for element j), 16 bytes of nibbles:
+ * element j the low nibble of byte j, element j + 16 the high one) -> int8 codes q - 16 in -16..15 [n * 32] and d
+ * [n] (fp16 bits): w = d * code. */
+void nt_unpack_q5_0(const uint8_t *raw, int64_t n, int8_t *codes, uint16_t *d, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 4096)
+    for (int64_t b = 0; b < n; b++) {
+        const uint8_t *block = raw + b * 22;
+        uint32_t high;
+        memcpy(&d[b], block, 2);
+        memcpy(&high, block + 2, 4);
+        int8_t *out = codes + b * QK;
+        for (int j = 0; j < QK / 2; j++) {
+            const uint8_t byte = block[6 + j];
+            out[j] = (int8_t)(((byte & 0x0F) | (((high >> j) & 1) << 4)) - 16);
+            out[j + QK / 2] = (int8_t)(((byte >> 4) | (((high >> (j + QK / 2)) & 1) << 4)) - 16);
+        }
+    }
+}
+
 /* ------------------------------------------------------------ token rows */
 
 /* out [n, K] = rows ids[0..n) of a Q8 table: int8 codes [vocab, K] times fp32 scales [vocab, K / 32] (one rounding,
