@@ -113,7 +113,7 @@ def parse_metadata(md: Mapping[str, Any], source: str = "model") -> TokenizerSpe
     tokens = md.get("tokenizer.ggml.tokens")
     if tokens is None:
         raise _fail(source, "tokenizer.ggml.tokens", "missing")
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+    if not isinstance(tokens, list) or not set(map(type, tokens)) <= {str}:  # map: no Python loop over 262k
         raise _fail(source, "tokenizer.ggml.tokens", "expected an array of strings")
     n = len(tokens)
     if n == 0:
@@ -347,12 +347,14 @@ _BYTE_LEVEL_TRANSLATE = {**{cp: "\uffff" for cp in range(256)}, **{cp: chr(b) fo
 def piece_table(spec: TokenizerSpec) -> list[bytes]:
     """token id -> the UTF-8 bytes it stands for; control and user-defined tokens stand for their own text."""
     types = spec.types.tolist()
-    if spec.kind == "spm" and not any("\0" in t for t in spec.tokens):
-        # One replace/encode/split over the joined vocabulary instead of 262k small ones; then fix up the rest.
+    if spec.kind == "spm":
+        # One replace/encode/split over the joined vocabulary instead of 262k small ones; then fix up the rest. A
+        # token holding the separator itself splits into more pieces than there are tokens: then one by one.
         out = "\0".join(spec.tokens).replace(SPM_SPACE, " ").encode("utf-8", "surrogatepass").split(b"\0")
-        for i in np.flatnonzero(spec.types != NORMAL).tolist():
-            out[i] = _piece(spec, spec.tokens[i], types[i])
-        return out
+        if len(out) == len(spec.tokens):
+            for i in np.flatnonzero(spec.types != NORMAL).tolist():
+                out[i] = _piece(spec, spec.tokens[i], types[i])
+            return out
     return [_piece(spec, tok, ttype) for tok, ttype in zip(spec.tokens, types)]
 
 

@@ -123,6 +123,8 @@ BAD_SPM = [
     (_set("tokenizer.ggml.add_bos_token", "yes"), "tokenizer.ggml.add_bos_token"),
     (_set_token(6, "<0xZZ>"), "tokenizer.ggml.token_type"),  # type 6 (byte) but not <0xHH>
     (_set_token(7, "x"), "tokenizer.ggml.token_type"),
+    (_set_token(270, 5), "tokenizer.ggml.tokens"),  # not a string
+    (_set_token(270, ["a"]), "tokenizer.ggml.tokens"),
     (_set("tokenizer.ggml.merges", ["a b c"]), "tokenizer.ggml.merges"),
     (_set("tokenizer.ggml.merges", ["ab"]), "tokenizer.ggml.merges"),
     (_set("tokenizer.ggml.merges", ["a zz"]), "tokenizer.ggml.merges"),  # unknown piece
@@ -191,6 +193,15 @@ def test_spm_spaces_bos_and_byte_fallback():
     assert tok.display_piece(tok.token_to_id("<0xE4>")) == "<0xE4>"
     assert tok.piece_bytes(tok.token_to_id(f"{SPM_SPACE}hi")) == b" hi"
     assert tok.special_ids == frozenset(range(len(SPM_CONTROL)))
+
+
+def test_spm_token_holding_a_nul_keeps_its_bytes():
+    """The piece table joins the vocabulary on NUL to convert it in one pass; a token that holds one itself (legal
+    in the format) still gets its own bytes, and every other token too."""
+    tok = build(spm_metadata({**SPM_WORDS, "x\0y": -20.0}))
+    nul = tok.token_to_id("x\0y")
+    assert nul is not None and tok.piece_bytes(nul) == b"x\0y" and tok.decode([nul]) == "x\0y"
+    assert tok.piece_bytes(tok.token_to_id(f"{SPM_SPACE}hi")) == b" hi"  # type: ignore[arg-type]
 
 
 def test_spm_add_space_prefix_is_added_and_stripped():
