@@ -60,9 +60,12 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
 
 def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None,
                      drop: tuple[str, ...] = (), num_layers: int | None = None,
-                     shape: dict[str, int] | None = None) -> Path:
+                     shape: dict[str, int] | None = None, projections: gguf.GGMLQuantizationType | None = None,
+                     wrong_shape: str | None = None) -> Path:
     """`shape` gives a model of real size with random weights (for speed, not answers): any of hidden, ffn, heads,
-    kv_heads, head_dim, layers, context, and vocab (the vocabulary padded with plain tokens up to that size)."""
+    kv_heads, head_dim, layers, context, and vocab (the vocabulary padded with plain tokens up to that size).
+    `projections`: a block type the projection weights are stored in (gguf's own quantizer); `wrong_shape`: a
+    tensor name (e.g. "blk.0.attn_q.weight") written with one row too many."""
     rng = np.random.default_rng(seed)
     overrides = overrides or {}
     hidden, ffn = 64, 128
@@ -150,7 +153,13 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
             raise ValueError(kind)
 
     def tensor(name: str, *shape: int, scale: float = 0.08, around: float = 0.0) -> None:
-        w.add_tensor(name, (around + scale * rng.standard_normal(shape)).astype(np.float32))
+        if name == wrong_shape:
+            shape = (shape[0] + 1, *shape[1:])
+        values = (around + scale * rng.standard_normal(shape)).astype(np.float32)
+        if projections is not None and len(shape) == 2 and name.startswith("blk."):
+            w.add_tensor(name, gguf.quants.quantize(values, projections), raw_dtype=projections)
+        else:
+            w.add_tensor(name, values)
 
     tensor("token_embd.weight", vocab, hidden, scale=0.5)
     tensor("output_norm.weight", hidden, scale=0.05, around=1.0)

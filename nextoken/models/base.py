@@ -131,10 +131,10 @@ class CausalLM(nn.Module):
                 continue
             infos = [gguf.tensors.get(name) for name in files]
             if param.endswith("_proj.weight") and all(i is not None and i.qtype in exact_types for i in infos):
-                shape = (sum(i.shape[0] for i in infos), infos[0].shape[1])  # type: ignore[union-attr]
-                if shape != tuple(expected[param].shape) or any(i.shape[1] != shape[1] for i in infos):  # type: ignore[union-attr]
-                    raise ModelLoadError(gguf.path, f"tensor(s) {', '.join(files)} have shapes "
-                                                    f"{[tuple(i.shape) for i in infos]}, expected "  # type: ignore[union-attr]
+                shapes = [tuple(i.shape) for i in infos if i is not None]
+                shape = (sum(rows for rows, _ in shapes), shapes[0][1])
+                if shape != tuple(expected[param].shape) or any(cols != shape[1] for _, cols in shapes):
+                    raise ModelLoadError(gguf.path, f"tensor(s) {', '.join(files)} have shapes {shapes}, expected "
                                                     f"{tuple(expected[param].shape)} for this configuration")
                 sources[param] = [(name, None) for name in files]
                 state[param] = torch.empty(shape)  # a placeholder: its BlockLinear replaces it below

@@ -9,11 +9,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from gguf import GGMLQuantizationType
 
 from nextoken import LLM, SamplingParams
 from nextoken.engine import engine as engine_module
 from nextoken.errors import ModelLoadError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
+from nextoken.ops.quant_linear import BlockLinear
+from tests.tiny import write_tiny_model
 
 PROMPTS = ["the cat sat on the mat", "hello", "in the beginning there was the word and the word was",
            "a", "seven seas", "the the the the the the the the the the the the the the the the the", "on at en"]
@@ -223,3 +227,21 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
+def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
+    """Projections stored in blocks that are exactly their weights load without being dequantized (their GEMM
+    panels come from the blocks): the prefill logits equal those of the same file loaded in fp32, and a tensor of
+    the wrong shape is named in the error."""
+    path = write_tiny_model(tmp_path / "blocks.gguf", "llama", projections=qtype)
+    blocks = LLM(str(path), device="cpu", weights="int4", lm_head="fp32", kv_cache_bytes=8 << 20)  # one head for both
+    dense = LLM(str(path), device="cpu", weights="fp32", kv_cache_bytes=8 << 20)
+    projection = blocks.engine.runner.model.layers[0].attn.qkv_proj
+    assert isinstance(projection, BlockLinear) and projection.dense is None and projection.panels is not None
+    ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log")
+    assert len(ids) >= 12  # a prefill of 12 rows or more: the GEMM over the panels
+    torch.testing.assert_close(blocks.engine.runner.score(ids), dense.engine.runner.score(ids), rtol=1e-4, atol=1e-4)
+    bad = write_tiny_model(tmp_path / "bad.gguf", "llama", projections=qtype, wrong_shape="blk.1.attn_k.weight")
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.attn_k\.weight"):
+        LLM(str(bad), device="cpu", weights="int4", kv_cache_bytes=8 << 20)
