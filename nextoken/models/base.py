@@ -23,9 +23,9 @@ from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import Linear, RMSNorm
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear,
-                                       Int8GroupHead, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
-                                       q8_weight, regroup)
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding,
+                                       BlockLinear, Int8GroupHead, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes,
+                                       q8_codes, q8_weight, regroup)
 
 
 class CausalLM(nn.Module):

@@ -695,7 +695,8 @@ int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t
             const int64_t r0 = p * SG_COLS;
             float *panel = packed + r0 * K;
             if (r0 >= first && r0 + SG_COLS <= first + N) { /* a whole panel of this part's rows */
-                for (int64_t j = 0; j < SG_COLS; j++) dequantize_row(kind, qs, d, m, r0 + j - first, K, rows + j * K);
+                for (int64_t j = 0; j < SG_COLS; j++)
+                    dequantize_row(kind, qs, d, m, r0 + j - first, K, rows + j * K);
                 to_panel(rows, K, panel);
                 continue;
             }
@@ -1016,11 +1017,11 @@ static void attend8(const float *q, float *out, float *max, float *sum, int64_t 
 #endif
 
 /* Attention of `heads` query heads [heads, D] of one token, from head h0 of the model's on, over positions
- * [first, len) of a sequence whose blocks are `table`: query head h0 + h reads kv head (h0 + h) / rep. Positions are visited once, all kv heads of a token
- * together (they are neighbours in the cache). Leaves out[h] = sum_p exp(s_p - max[h]) v_p unnormalized, with
- * max[h] and sum[h] = sum_p exp(s_p - max[h]), so that parts of one sequence's positions can be merged.
- * `scores` has room for heads * (len - first) floats, `row` for ATT_GROUP * kv_heads * D, `at` for len - first
- * indices. */
+ * [first, len) of a sequence whose blocks are `table`: query head h0 + h reads kv head (h0 + h) / rep. Positions
+ * are visited once, all kv heads of a token together (they are neighbours in the cache). Leaves out[h] =
+ * sum_p exp(s_p - max[h]) v_p unnormalized, with max[h] and sum[h] = sum_p exp(s_p - max[h]), so that parts of one
+ * sequence's positions can be merged. `scores` has room for heads * (len - first) floats, `row` for
+ * ATT_GROUP * kv_heads * D, `at` for len - first indices. */
 static void attend(const float *q, float *out, float *max, float *sum, int64_t heads, int64_t h0, int64_t rep,
                    const nt_cache *c, int64_t kv_heads, int64_t D, const int64_t *table, int64_t first, int64_t len,
                    float scale, float *scores, float *row, int64_t *at) {
@@ -1035,7 +1036,8 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
 #endif
     for (int64_t j = 0; j < count; j++) {
         const float *keys = token_kv(&ks, at[j] * D, width, row);
-        for (int64_t h = 0; h < heads; h++) scores[h * count + j] = scale * dot_f32(q + h * D, keys + ((h0 + h) / rep) * D, D);
+        for (int64_t h = 0; h < heads; h++)
+            scores[h * count + j] = scale * dot_f32(q + h * D, keys + ((h0 + h) / rep) * D, D);
     }
     softmax_parts(scores, heads, count, max, sum);
     memset(out, 0, (size_t)(heads * D) * sizeof(float));
