@@ -61,11 +61,11 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
 def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None,
                      drop: tuple[str, ...] = (), num_layers: int | None = None,
                      shape: dict[str, int] | None = None, projections: gguf.GGMLQuantizationType | None = None,
-                     wrong_shape: str | None = None) -> Path:
+                     wrong_shape: tuple[str, int, int] | None = None) -> Path:
     """`shape` gives a model of real size with random weights (for speed, not answers): any of hidden, ffn, heads,
     kv_heads, head_dim, layers, context, and vocab (the vocabulary padded with plain tokens up to that size).
-    `projections`: a block type the projection weights are stored in (gguf's own quantizer); `wrong_shape`: a
-    tensor name (e.g. "blk.0.attn_q.weight") written with one row too many."""
+    `projections`: a block type the projection weights are stored in (gguf's own quantizer); `wrong_shape`: (a
+    tensor name, an axis, a count), that tensor written with `count` more along the axis."""
     rng = np.random.default_rng(seed)
     overrides = overrides or {}
     hidden, ffn = 64, 128
@@ -153,8 +153,8 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
             raise ValueError(kind)
 
     def tensor(name: str, *shape: int, scale: float = 0.08, around: float = 0.0) -> None:
-        if name == wrong_shape:
-            shape = (shape[0] + 1, *shape[1:])
+        if wrong_shape is not None and name == wrong_shape[0]:
+            shape = tuple(n + wrong_shape[2] * (axis == wrong_shape[1]) for axis, n in enumerate(shape))
         values = (around + scale * rng.standard_normal(shape)).astype(np.float32)
         if projections is not None and len(shape) == 2 and name.startswith("blk."):
             w.add_tensor(name, gguf.quants.quantize(values, projections), raw_dtype=projections)

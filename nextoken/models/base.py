@@ -129,32 +129,32 @@ class CausalLM(nn.Module):
         for param, files in self.gguf_tensor_map().items():
             if param == "embed_tokens.weight" and isinstance(self.embed_tokens, BlockEmbedding):
                 continue
-            infos = [gguf.tensors.get(name) for name in files]
-            if param.endswith("_proj.weight") and all(i is not None and i.qtype in exact_types for i in infos):
-                shapes = [tuple(i.shape) for i in infos if i is not None]
-                shape = (sum(rows for rows, _ in shapes), shapes[0][1])
-                if shape != tuple(expected[param].shape) or any(cols != shape[1] for _, cols in shapes):
-                    raise ModelLoadError(gguf.path, f"tensor(s) {', '.join(files)} have shapes {shapes}, expected "
-                                                    f"{tuple(expected[param].shape)} for this configuration")
-                sources[param] = [(name, None) for name in files]
-                state[param] = torch.empty(shape)  # a placeholder: its BlockLinear replaces it below
-                if progress is not None:
-                    progress(param)
-                continue
-            parts = []
+            infos = []
             for name in files:
                 info = gguf.tensors.get(name)
                 if info is None:
                     raise ModelLoadError(gguf.path, f"missing tensor {name!r}")
+                infos.append(info)
+            # Checked on the file's shapes, before anything is read: tensors stacked into one parameter (a fused
+            # projection) must agree past their rows, and together match this configuration.
+            shapes = [tuple(info.shape) for info in infos]
+            want = tuple(expected[param].shape)
+            if (sum(s[0] for s in shapes), *shapes[0][1:]) != want or any(s[1:] != shapes[0][1:] for s in shapes):
+                raise ModelLoadError(gguf.path, f"tensor(s) {', '.join(files)} have shape(s) {shapes}, expected "
+                                                f"{want} for this configuration")
+            if param.endswith("_proj.weight") and all(info.qtype in exact_types for info in infos):
+                sources[param] = [(name, None) for name in files]
+                state[param] = torch.empty(want)  # a placeholder: its BlockLinear replaces it below
+                if progress is not None:
+                    progress(param)
+                continue
+            parts = []
+            for name, info in zip(files, infos):
                 t = dequantize(gguf.raw(name), info.qtype, info.shape, dtype=torch.float32, name=name)
-                parts.append(self.transform_tensor(name, t))
+                parts.append(self.transform_tensor(name, t))  # layout fixes permute; shapes stay
                 if quant is not None and param.endswith("_proj.weight"):
                     sources.setdefault(param, []).append((name, parts[-1]))
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-            want = tuple(expected[param].shape)
-            if tuple(tensor.shape) != want:
-                raise ModelLoadError(gguf.path, f"tensor(s) {', '.join(files)} have shape {tuple(tensor.shape)}, "
-                                                f"expected {want} for this configuration")
             # Only the blocks' projections take the weight dtype. Embedding, LM head and norms stay fp32: rounding
             # the LM head or the residual stream to bf16 flips near-tied top-1 tokens (SmolLM2: 97.4% top-1
             # agreement with everything in bf16, 99.5% with bf16 projections only).

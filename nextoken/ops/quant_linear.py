@@ -115,6 +115,8 @@ class BlockLinear(nn.Module):
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
                  shape: tuple[int, int] | None = None) -> None:
         super().__init__()
+        if dense is None and shape is None:
+            raise ValueError("a projection without its fp32 weight needs its shape")
         self.out_features, self.in_features = dense.shape if dense is not None else shape  # type: ignore[misc]
         if sum(p.rows for p in parts) != self.out_features:
             raise ValueError("block parts do not add up to the projection's rows")
@@ -266,13 +268,23 @@ def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight:
     return codes.to(torch.int8).reshape(rows, cols), scales
 
 
+def _unpacked_in_c(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]) of Q8_0 or Q5_0 blocks in one pass of the native
+    kernels, the GIL released (native.unpack_blocks); None without them (the callers' numpy takes several)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    rows, cols = shape
+    codes, d16 = native.unpack_blocks(lib, kind, np.ascontiguousarray(raw).reshape(-1))
+    return codes.view(rows, cols), d16.float().view(rows, cols // GROUP_SIZE)
+
+
 def q8_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]) of Q8_0 blocks (fp16 d, 32 int8 codes; w = d * q)."""
     rows, cols = shape
-    lib = native.library()
-    if lib is not None:  # one pass in C, the GIL released (a 262k-token table: 168 MB)
-        codes_t, d16 = native.unpack_blocks(lib, "q8_0", np.ascontiguousarray(raw).reshape(-1))
-        return codes_t.view(rows, cols), d16.float().view(rows, cols // GROUP_SIZE)
+    unpacked = _unpacked_in_c("q8_0", raw, shape)  # a 262k-token table: 168 MB
+    if unpacked is not None:
+        return unpacked
     blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 2 + GROUP_SIZE)  # 2-D: numpy copies 3-D slices of
     d = _half(blocks[:, 0:2]).reshape(rows, cols // GROUP_SIZE)                   # these far more slowly
     codes = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
@@ -286,10 +298,9 @@ def q5_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, tor
     nibbles (element j the low nibble of byte j, element j + 16 the high one); w = d * (code - 16).
     """
     rows, cols = shape
-    lib = native.library()
-    if lib is not None:  # one pass in C, the GIL released
-        codes_t, d16 = native.unpack_blocks(lib, "q5_0", np.ascontiguousarray(raw).reshape(-1))
-        return codes_t.view(rows, cols), d16.float().view(rows, cols // GROUP_SIZE)
+    unpacked = _unpacked_in_c("q5_0", raw, shape)
+    if unpacked is not None:
+        return unpacked
     blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 22)
     d = _half(blocks[:, 0:2])
     high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [blocks, 32]: bit j of the 32-bit mask

@@ -232,8 +232,7 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
 def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
     """Projections stored in blocks that are exactly their weights load without being dequantized (their GEMM
-    panels come from the blocks): the prefill logits equal those of the same file loaded in fp32, and a tensor of
-    the wrong shape is named in the error."""
+    panels come from the blocks): the prefill logits equal those of the same file loaded in fp32."""
     path = write_tiny_model(tmp_path / "blocks.gguf", "llama", projections=qtype)
     blocks = LLM(str(path), device="cpu", weights="int4", lm_head="fp32", kv_cache_bytes=8 << 20)  # one head for both
     dense = LLM(str(path), device="cpu", weights="fp32", kv_cache_bytes=8 << 20)
@@ -242,6 +241,16 @@ def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType
     ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log")
     assert len(ids) >= 12  # a prefill of 12 rows or more: the GEMM over the panels
     torch.testing.assert_close(blocks.engine.runner.score(ids), dense.engine.runner.score(ids), rtol=1e-4, atol=1e-4)
-    bad = write_tiny_model(tmp_path / "bad.gguf", "llama", projections=qtype, wrong_shape="blk.1.attn_k.weight")
-    with pytest.raises(ModelLoadError, match=r"blk\.1\.attn_k\.weight"):
+
+
+@pytest.mark.parametrize("qtype", [None, GGMLQuantizationType.Q8_0], ids=["f32", "q8_0"])
+@pytest.mark.parametrize("wrong", [("blk.1.attn_k.weight", 0, 1), ("blk.1.attn_v.weight", 1, 32)],
+                         ids=["a row too many", "columns unlike q and k"])
+def test_a_tensor_of_the_wrong_shape_is_named(qtype: GGMLQuantizationType | None, wrong: tuple[str, int, int],
+                                              tmp_path: Path) -> None:
+    """Checked on the file's shapes before any weight is read, whether the projection is dequantized or kept in its
+    blocks: a fused projection's tensors that do not stack (V wider than Q and K) are a ModelLoadError naming
+    them, as is one that stacks to the wrong size."""
+    bad = write_tiny_model(tmp_path / "bad.gguf", "llama", projections=qtype, wrong_shape=wrong)
+    with pytest.raises(ModelLoadError, match=wrong[0].replace(".", r"\.")):
         LLM(str(bad), device="cpu", weights="int4", kv_cache_bytes=8 << 20)

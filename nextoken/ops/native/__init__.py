@@ -152,8 +152,9 @@ def pack_blocks(lib: ctypes.CDLL, parts: list[tuple[int, torch.Tensor, torch.Ten
                 k: int) -> torch.Tensor:
     """The panels `pack` makes of a weight [n, k] stacked from block-quantized parts (kind, qs, d, m; formats as
     block_matmul takes them, rows in order), dequantized straight into place: no dense fp32 copy is ever made."""
-    if sum(qs.shape[0] for _, qs, _, _ in parts) != n:
-        raise ValueError(f"pack_blocks: parts hold {sum(qs.shape[0] for _, qs, _, _ in parts)} rows, expected {n}")
+    held = sum(qs.shape[0] for _, qs, _, _ in parts)
+    if held != n:
+        raise ValueError(f"pack_blocks: parts hold {held} rows, expected {n}")
     panels = torch.empty(lib.nt_sgemm_packed_size(n, k))
     if n % PANEL:  # the last panel's columns past n
         panels[n // PANEL * PANEL * k:] = 0.0

@@ -274,9 +274,9 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
  * weight rows), so that the accumulators stay in registers. */
 #ifdef NT_AVX2
 /* Block g of Q4 weight row n, a last block without a pair (see pair_into for the others), as two int16 vectors in
- * the activations' order (code_at): A holds the even elements of
- * each half, B the odd ones; lane 0 is the first half, lane 1 the second. Both lanes hold the 16 bytes, shifted per
- * lane by 0 / 4 (A) and 8 / 12 (B) bits and masked to one nibble per 16-bit word. */
+ * the activations' order (code_at): A holds the even elements of each half, B the odd ones; lane 0 is the first
+ * half, lane 1 the second. Both lanes hold the 16 bytes, shifted per lane by 0 / 4 (A) and 8 / 12 (B) bits and
+ * masked to one nibble per 16-bit word. */
 static inline __attribute__((always_inline)) void unpack_q4(const void *qs, int64_t n, int64_t K, int64_t g,
                                                             __m256i *a, __m256i *b) {
     const __m256i bytes = _mm256_broadcastsi128_si256(
@@ -364,6 +364,7 @@ static inline __attribute__((always_inline)) void block_into(int kind, int halve
         }
     }
 }
+
 /* Blocks g and g + 1 of Q4 weight rows n..n+R-1 against activation rows r0..r0+T-1 (codes in q4_position order),
  * into accumulator `which`: the pair's 32 bytes of nibbles are four int16 vectors by three shifts and three masks
  * (per 16-bit word: elements 2w, 2w + 16, 2w + 1, 2w + 17, the first block in words 0..7, the second in 8..15). The
