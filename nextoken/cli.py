@@ -48,11 +48,13 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps op by op instead of replaying CUDA graphs")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="CPU threads for the kernels (default: one per physical core)")
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"dtype": args.dtype, "weights": args.weights, "kv_dtype": args.kv_dtype, "lm_head": args.lm_head,
-            "device": args.device, "cuda_graphs": not args.enforce_eager}
+            "device": args.device, "cuda_graphs": not args.enforce_eager, "threads": args.threads}
 
 
 def _add_sampling(p: argparse.ArgumentParser) -> None:

@@ -53,6 +53,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting: int = 1024  # queued requests beyond which add_request refuses
     cuda_graphs: bool = True  # on CUDA, replay pure decode steps from CUDA graphs (engine/graphs.py)
+    # CPU threads for the kernels (torch's and nextoken's own); None: torch's default, one per physical core. Set
+    # process-wide (torch.set_num_threads) when the engine is built.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         from nextoken.errors import NextokenError
@@ -76,3 +79,5 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= self.block_size,
              f"max_num_batched_tokens={self.max_num_batched_tokens} (at least one block)")
         need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")
+        need(self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                                      and self.threads >= 1), f"threads={self.threads!r} (a whole number, at least 1)")

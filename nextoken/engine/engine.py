@@ -76,6 +76,8 @@ class _Live:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.threads is not None:  # before loading, whose conversions run on the same threads
+            torch.set_num_threads(config.threads)
         self.model_path = resolve_model(config.model)
         self.model_name = model_name_for(self.model_path) if config.model != str(self.model_path) \
             else self.model_path.stem

@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType
 
 from nextoken import LLM, SamplingParams
 from nextoken.engine import engine as engine_module
-from nextoken.errors import ModelLoadError, PromptTooLong
+from nextoken.config import EngineConfig
+from nextoken.errors import ModelLoadError, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
 from nextoken.ops.quant_linear import BlockLinear
 from tests.tiny import write_tiny_model
@@ -174,6 +175,25 @@ def test_format_defaults(tiny_llama: Path, options: dict, weights: str, head: st
     assert (runner.model.quantized_head is not None) == (head == "int8")
     out = llm.generate("the cat", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
+
+
+def test_threads_setting_runs_the_kernels_on_that_many_threads(tiny_llama: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    before = torch.get_num_threads()
+    try:
+        reference = _llm(tiny_llama, weights="int4").generate("the cat", params, use_tqdm=False)[0].token_ids
+        torch.set_num_threads(2)
+        llm = _llm(tiny_llama, weights="int4", threads=1)
+        assert torch.get_num_threads() == 1
+        assert llm.generate("the cat", params, use_tqdm=False)[0].token_ids == reference
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [0, -2, 1.5, True, "4"])
+def test_threads_must_be_a_positive_whole_number(threads: object) -> None:
+    with pytest.raises(NextokenError, match=f"invalid engine setting: threads={threads!r}"):
+        EngineConfig(threads=threads)  # type: ignore[arg-type]
 
 
 def test_int8_head_keeps_greedy_tokens_and_top_logprobs(tiny: Path) -> None:
