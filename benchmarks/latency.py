@@ -57,10 +57,11 @@ def measure(llm: LLM, repeats: int, prompt_len: int = 512, decode_len: int = 128
             "decode_empty_tok_s": statistics.median(decode_empty), "ttft_s": statistics.median(ttft)}
 
 
-def llama_bench(binary: str, model: str, threads: int, repeats: int = 3) -> dict[str, float]:
-    """llama.cpp's pp512 and tg128 (tok/s, mean of `repeats`) on the same file, from its JSON output."""
-    cmd = [binary, "-m", str(resolve_model(model)), "-p", "512", "-n", "128", "-t", str(threads), "-r", str(repeats),
-           "-o", "json"]
+def llama_bench(binary: str, model: str, threads: int, repeats: int = 3, prompt: int = 512) -> dict[str, float]:
+    """llama.cpp's pp512 (none where `prompt` is 0) and tg128 (tok/s, mean of `repeats`) on the same file, from its
+    JSON output."""
+    cmd = [binary, "-m", str(resolve_model(model)), "-p", str(prompt), "-n", "128", "-t", str(threads), "-r",
+           str(repeats), "-o", "json"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if result.returncode != 0:
         raise RuntimeError(f"llama-bench failed: {result.stderr.strip()[-500:]}")

@@ -9,6 +9,7 @@ import logging
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,29 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
             torch.testing.assert_close(out, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="do not fit"):
         native.sgemm(kernels, torch.randn(2, 8), native.pack(kernels, torch.randn(4, 9)), 4, torch.empty(2, 4))
+
+
+@pytest.mark.parametrize("build", ["vectorized", "portable"])
+def test_stream_read_reads_every_word_once(build: str, lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
+    """The bandwidth floor's pass: the XOR of every 64-bit word of each tensor (a tail under 8 bytes left out),
+    whatever the tensors' sizes and the thread split. A word read twice or skipped changes it."""
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randint(-128, 128, (n,), generator=gen, dtype=torch.int8) for n in (8, 13, 4096, 100_003)]
+    tensors.append(torch.randn(3, 577, generator=gen))
+    expected = 0
+    for t in tensors:
+        words = t.reshape(-1).view(torch.uint8)[: t.nbytes // 8 * 8].numpy().view("<u8")
+        expected ^= int(np.bitwise_xor.reduce(words)) if words.size else 0
+    library = lib if build == "vectorized" else portable
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        try:
+            assert native.stream_read(library, tensors) == expected
+        finally:
+            torch.set_num_threads(2)
+    assert native.stream_read(library, tensors[:1]) != native.stream_read(library, tensors[:2])
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        native.stream_read(library, [torch.randn(4, 8).t()])
 
 
 def test_rms_norm_over_heads(lib: ctypes.CDLL) -> None:

@@ -127,6 +127,19 @@ def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor,
         raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
 
 
+_SIGNATURES["nt_stream_read"] = (ctypes.c_uint64, [_ptr, _ptr, _i64, _i32])
+
+
+def stream_read(lib: ctypes.CDLL, tensors: list[torch.Tensor]) -> int:
+    """The XOR of every 64-bit word of the tensors' bytes (a tail under 8 bytes left out), read once on the kernels'
+    threads (nt_stream_read): a pass that does nothing but read, to time against the kernels that read the same."""
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        raise ValueError("stream_read takes contiguous CPU tensors")
+    ptrs = (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+    sizes = (ctypes.c_int64 * len(tensors))(*[t.nbytes for t in tensors])
+    return int(lib.nt_stream_read(ptrs, sizes, len(tensors), torch.get_num_threads()))
+
+
 _SIGNATURES["nt_sgemm"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32])
 _SIGNATURES["nt_sgemm_pack"] = (None, [_ptr, _i64, _i64, _ptr, _i32])
 _SIGNATURES["nt_sgemm_packed_size"] = (_i64, [_i64, _i64])

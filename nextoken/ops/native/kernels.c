@@ -773,6 +773,34 @@ void nt_unpack_q5_0(const uint8_t *raw, int64_t n, int8_t *codes, uint16_t *d, i
     }
 }
 
+/* ------------------------------------------------------------ measurement */
+
+typedef uint64_t __attribute__((may_alias, aligned(1))) any_word;
+
+/* The XOR of every 64-bit word of n buffers (ptrs[i], sizes[i] bytes; a tail under 8 bytes is left out), each
+ * buffer split between the threads in contiguous parts, as the block products split their weight rows, in one
+ * parallel region (no thread waits for another between buffers). It only reads: its time is the floor that memory
+ * bandwidth puts under one pass over those bytes (benchmarks/roofline.py). */
+uint64_t nt_stream_read(const void *const *ptrs, const int64_t *sizes, int64_t n, int threads) {
+    uint64_t all = 0;
+#pragma omp parallel num_threads(threads) reduction(^ : all) if (threads > 1)
+    {
+#ifdef _OPENMP
+        const int64_t t = omp_get_thread_num(), parts = omp_get_num_threads();
+#else
+        const int64_t t = 0, parts = 1;
+#endif
+        uint64_t acc = 0;
+        for (int64_t i = 0; i < n; i++) {
+            const any_word *p = (const any_word *)ptrs[i];
+            const int64_t words = sizes[i] / 8;
+            for (int64_t w = words * t / parts, end = words * (t + 1) / parts; w < end; w++) acc ^= p[w];
+        }
+        all ^= acc;
+    }
+    return all;
+}
+
 /* ------------------------------------------------------------ token rows */
 
 /* out [n, K] = rows ids[0..n) of a Q8 table: int8 codes [vocab, K] times fp32 scales [vocab, K / 32] (one rounding,
