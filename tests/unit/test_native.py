@@ -25,6 +25,7 @@ from nextoken.ops.quant_linear import (Q4, Q8, Q8_HALVES, BlockLinear, q4_weight
                                         unpack_nibbles)
 
 PORTABLE_FLAGS = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx2", "-mno-fma", "-mno-f16c"]
+AVX2_FLAGS = [*native.FLAGS, "-mno-avx512f"]  # the host's build without AVX-512: the int16 route for every product
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,47 @@ def lib() -> ctypes.CDLL:
 @pytest.fixture(scope="module")
 def portable(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return native.load(native.build(flags=PORTABLE_FLAGS, cache_dir=tmp_path_factory.mktemp("native")))
+
+
+@pytest.fixture(scope="module")
+def avx2(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    return native.load(native.build(flags=AVX2_FLAGS, cache_dir=tmp_path_factory.mktemp("native")))
+
+
+def test_one_row_q4_products_by_byte_multiply_adds(lib: ctypes.CDLL, avx2: ctypes.CDLL,
+                                                   portable: ctypes.CDLL) -> None:
+    """With AVX-512 VNNI, one activation row meets Q4 weights through byte multiply-adds on the int16 codes split
+    into bytes: the same integer sums as the int16 route, so the three builds agree to the float sums' order, and
+    all are within the activations' rounding of a float64 product over the dequantized weight. Row counts past whole
+    tiles of four and thread chunks of 16; 1 to 4 blocks in a last quad of blocks (K = 96 ... 1536); 1-3 threads."""
+    if not lib.nt_has_vnni512():
+        pytest.skip("this CPU has no AVX-512 VNNI: the host build is the AVX2 one, tested against the portable one")
+    assert avx2.nt_has_avx2() == 1 and avx2.nt_has_vnni512() == 0
+    gen = torch.Generator().manual_seed(5)
+    for n, k in ((1, 32), (3, 64), (17, 96), (43, 128), (64, 160), (35, 576), (21, 640), (50, 1536)):
+        w = torch.randn(n, k, generator=gen)
+        w[0, :32] = 0  # a block whose scale is zero
+        part = q4_weight(*regroup(w))
+        dense = (unpack_nibbles(part.qs).float().unflatten(1, (-1, 32)) * part.d.float().unsqueeze(-1)).flatten(1)
+        dense += part.m.float().repeat_interleave(32, dim=1)
+        x = torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4
+        x[0, 32:64] = 0  # an activation block of zeros (its scale is zero)
+        expected = (x.double() @ dense.double().t()).float()
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            try:
+                outs = []
+                for library in (lib, avx2, portable):
+                    out = torch.full((1, n), float("nan"))
+                    native.block_matmul(library, Q4, x, part.qs, part.d, part.m, out)
+                    outs.append(out)
+            finally:
+                torch.set_num_threads(2)
+            size = (x.abs() @ dense.abs().t()).float()
+            for out in outs:  # activation codes within 2e-5 of x
+                assert ((out - expected).abs() <= 3e-5 * size + 1e-6).all(), (n, k, threads)
+            for out in outs[1:]:  # the same integer sums; float sums of k / 32 block products in another order
+                assert ((out - outs[0]).abs() <= 2e-6 * size + 1e-7).all(), (n, k, threads)
 
 
 @pytest.mark.parametrize("k", [96, 256, 320, 352])  # blocks per row: 3 (scales one by one), 8 (whole vectors), 10, 11

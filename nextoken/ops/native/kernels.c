@@ -16,6 +16,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define NT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define NT_VNNI512 1 /* one-row Q4 products by byte multiply-adds (q4_vnni) */
+#endif
 #endif
 
 #define QK 32
@@ -48,6 +51,14 @@ static inline float half_to_float(uint16_t h) {
 
 int nt_has_avx2(void) {
 #ifdef NT_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int nt_has_vnni512(void) {
+#ifdef NT_VNNI512
     return 1;
 #else
     return 0;
@@ -483,14 +494,132 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
 /* Split weight rows across threads in chunks of 16 (whole cache lines of output for every thread). */
 #define ROW_CHUNK 16
 
+#ifdef NT_VNNI512
+/* ------------------------------------------ one-row Q4 products, AVX-512 VNNI */
+
+/* With AVX-512 VNNI, one activation row meets Q4 weights through vpdpbusd, which multiplies unsigned bytes by signed
+ * bytes and adds each four products into a 32-bit lane. The activations keep their int16 codes (the same codes as
+ * quantize_row16, so the sums are the same integers), split into bytes: c = 256 hi + lo, lo 0..255 unsigned and hi
+ * signed. A nibble is both a small signed byte (against lo) and an unsigned one (against hi), so a 64-byte vector of
+ * nibbles, four blocks (a quad), takes four byte multiply-adds, a shift and an add: half the instructions of the
+ * int16 route, which is what bounds that route where the weights stream from memory. */
+
+/* Bytes per quad of activation codes: lo of elements 0..15 of each of the quad's four blocks (16 bytes each, in
+ * block order), lo of elements 16..31, hi of 0..15, hi of 16..31. That is the order in which the quad's 64 bytes of
+ * nibbles come out by a mask (element j of a block) and by a shift and a mask (element j + 16): lanes 4b..4b + 3 of
+ * every product belong to block b. */
+#define QUAD_BYTES 256
+
+/* x [K] -> codes as bytes in quads, d and s as quantize_row16's. A last partial quad's missing blocks are left as
+ * they are: their weights are read as zeros (q4_vnni_rows). */
+static void quantize_row_quads(const float *x, int64_t K, uint8_t *q, float *d, float *s) {
+    const int64_t groups = K / QK;
+    for (int64_t b = 0; b < groups; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv))); /* nearest, ties to even */
+        const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+        d[b] = db;
+        s[b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        uint8_t *dst = q + (b / 4) * QUAD_BYTES + (b % 4) * 16;
+        _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0)); /* low bytes */
+        _mm_storeu_si128((__m128i *)(dst + 64), _mm512_cvtepi32_epi8(c1));
+        _mm_storeu_si128((__m128i *)(dst + 128), _mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8))); /* high bytes */
+        _mm_storeu_si128((__m128i *)(dst + 192), _mm512_cvtepi32_epi8(_mm512_srai_epi32(c1, 8)));
+    }
+}
+
+/* One quad of Q4 weight bytes v against the quad's activation bytes a, times its four scales (sc: 4 floats, one per
+ * block, spread to four lanes each), into acc. */
+static inline __attribute__((always_inline)) __m512 quad_into(__m512i v, const uint8_t *a, const float *sc,
+                                                              __m512 acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(a), w0),
+                                           _mm512_loadu_si512(a + 64), w1);
+    const __m512i hi = _mm512_dpbusd_epi32(
+        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(a + 128)), w1, _mm512_loadu_si512(a + 192));
+    const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8))), scale, acc);
+}
+
+static inline __m256 fold_ps(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+/* out[n] for n in [n0, n1), R (4 or 1) weight rows at a time, from one activation row in quads (x->d, x->s per
+ * block). A last partial quad of a row is read through a byte mask: nothing past the weight is read, the missing
+ * blocks' nibbles are zeros (so are their products, whatever their activation bytes) and their scales are zeros. */
+static inline __attribute__((always_inline)) void q4_vnni_rows(const int R, const uint8_t *xq,
+                                                               const quantized_rows *x, int64_t K, const void *qs,
+                                                               const uint16_t *wd, const uint16_t *wm, int64_t n0,
+                                                               int64_t n1, float *out) {
+    const int64_t groups = K / QK, whole = groups / 4, row_bytes = K / 2;
+    const __mmask64 tail = ((__mmask64)1 << (16 * (groups % 4))) - 1;
+    float scale[TILE][2 * MAX_GROUPS], offset[TILE];
+    for (int j = 0; j < R; j++) memset(scale[j] + groups, 0, 4 * sizeof(float)); /* the last quad's missing blocks */
+    for (int64_t n = n0; n + R <= n1; n += R) {
+        if (R == 4 && groups >= 8) q4_scales4(x, 0, groups, wd, wm, n, scale, offset);
+        else
+            for (int j = 0; j < R; j++) offset[j] = row_scales(4, x, 0, groups, wd, wm, n + j, scale[j]);
+        for (int64_t b = 0; b < R * row_bytes; b += 64) /* as tile() does */
+            _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
+        __m512 acc[4];
+        for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < whole; g++)
+            for (int j = 0; j < R; j++)
+                acc[j] = quad_into(_mm512_loadu_si512((const uint8_t *)qs + (n + j) * row_bytes + g * 64),
+                                   xq + g * QUAD_BYTES, scale[j] + 4 * g, acc[j]);
+        if (groups % 4)
+            for (int j = 0; j < R; j++) {
+                const uint8_t *last = (const uint8_t *)qs + (n + j) * row_bytes + whole * 64;
+                acc[j] = quad_into(_mm512_maskz_loadu_epi8(tail, last), xq + whole * QUAD_BYTES, scale[j] + 4 * whole,
+                                   acc[j]);
+            }
+        if (R == 4) {
+            const __m128 sums = hsum4_ps(fold_ps(acc[0]), fold_ps(acc[1]), fold_ps(acc[2]), fold_ps(acc[3]));
+            _mm_storeu_ps(out + n, _mm_add_ps(sums, _mm_loadu_ps(offset)));
+        } else {
+            out[n] = hsum_ps(fold_ps(acc[0])) + offset[0];
+        }
+    }
+}
+
+/* nt_block_matmul for one activation row and Q4 weights. */
+static int q4_vnni(const float *x, int64_t K, int64_t N, const void *qs, const void *d, const uint16_t *m,
+                   float *out, int threads) {
+    const int64_t groups = K / QK, quads = (groups + 3) / 4;
+    quantized_rows xq = {NULL, NULL, NULL, malloc((size_t)(quads * QUAD_BYTES + 2 * groups * 4) + 64)};
+    if (!xq.block) return -1;
+    uint8_t *codes = (uint8_t *)xq.block;
+    xq.d = (float *)(codes + quads * QUAD_BYTES);
+    xq.s = xq.d + groups;
+    quantize_row_quads(x, K, codes, xq.d, xq.s);
+    const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
+        const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
+        q4_vnni_rows(4, codes, &xq, K, qs, (const uint16_t *)d, m, n0, n4, out);
+        q4_vnni_rows(1, codes, &xq, K, qs, (const uint16_t *)d, m, n4, n1, out);
+    }
+    free(xq.block);
+    return 0;
+}
+#endif
+
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times a block-quantized weight [N, K]^T (kind 4, 8 or
  * 6; m only for Q4). Returns 0, or -1 when K is not a multiple of 32 (or too large) or memory runs out. */
 int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                     const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
     quantized_rows xq;
-    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || K / QK > MAX_GROUPS ||
-        quantize_rows(x, M, K, ldx, kind == 4, &xq))
-        return -1;
+    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || K / QK > MAX_GROUPS) return -1;
+#ifdef NT_VNNI512
+    if (kind == 4 && M == 1) return q4_vnni(x, K, N, qs, d, m, out, threads);
+#endif
+    if (quantize_rows(x, M, K, ldx, kind == 4, &xq)) return -1;
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
