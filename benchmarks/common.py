@@ -7,16 +7,20 @@ llama-batched-bench -npp 128 -ntg 128 -npl 1,16,64 -t 2, built from source with 
 AVX2" is transformers 5.23 on that machine the same day, measured as ANCHORS.md describes (the GGUF dequantized,
 SDPA, a greedy loop with its KV cache, 2 threads; prefill and batch 1 medians of 3, batched figures one run of
 B x (128 prompt + 128 new) tokens). Benchmarks print our figure beside them and the ratio; compare with the rows
-measured on the machine you run on.
+measured on the machine you run on. Better still, latency.py and throughput.py take --transformers PYTHON (a Python
+with transformers and gguf) and --llama-bench PATH, and measure those baselines in the same run.
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from nextoken.loader.registry import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -64,6 +68,19 @@ def versus(value: float, anchors: dict[str, float], higher_is_better: bool = Tru
         ratio = value / anchor if higher_is_better else anchor / value
         parts.append(f"{name} {anchor:g} ({ratio:.2f}x)")
     return ", ".join(parts)
+
+
+def transformers_baseline(python: str, model: str, threads: int, dtypes: tuple[str, ...] = ("fp32", "bf16"),
+                          batch: int = 0, batch_steps: int = 128) -> dict[str, dict[str, float]]:
+    """transformers on the same GGUF file, run by `python` (which has transformers and gguf) through
+    transformers_baseline.py: per dtype, load_s, prefill_512, decode_1 and, with `batch`, decode_<batch> (tok/s)."""
+    script = Path(__file__).with_name("transformers_baseline.py")
+    command = [python, str(script), str(resolve_model(model)), "--threads", str(threads), "--dtypes", *dtypes,
+               "--batch", str(batch), "--batch-steps", str(batch_steps)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"transformers baseline failed: {result.stderr.strip()[-800:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def save(name: str, payload: dict) -> Path:

@@ -1,7 +1,7 @@
 """Single-request latency: prefill tokens/s (one 512-token prompt) and decode tokens/s (128 tokens, batch 1).
 
 Run: .venv/bin/python -m benchmarks.latency [--weights fp32 bf16 int8 int4] [--kv-dtypes fp32 bf16 int8]
-     [--models ...] [--repeats N] [--llama-bench PATH [--turns N]]
+     [--models ...] [--repeats N] [--llama-bench PATH [--turns N]] [--transformers PYTHON]
 Both go through the engine exactly as a user's request does. Prefill is timed from scheduling to the first token
 (one forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that
 512-token prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians
@@ -10,7 +10,9 @@ ratios; the first weight format (fp32) is the in-run baseline for the others. Wi
 binary the user built), llama.cpp runs on the same GGUF file in the same run (`-p 512 -n 128`, the machine's thread
 count) and the ratios to it are printed too. Then each KV cache format with the default weights: decode tok/s over
 the same 512-token context, and how many tokens a 1 GiB pool holds. With --turns N, only the default formats and
-llama.cpp, taking turns N times (see head_to_head): the ratio to use on a machine whose speed drifts.
+llama.cpp, taking turns N times (see head_to_head): the ratio to use on a machine whose speed drifts. With
+--transformers (a Python that has transformers and gguf), transformers fp32 and bf16 run on the same file in the same
+run too (benchmarks/transformers_baseline.py) and the ratios to them are printed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ANCHORS, save, versus
+from benchmarks.common import ANCHORS, save, transformers_baseline, versus
 from nextoken import LLM, SamplingParams
 from nextoken.loader.registry import resolve_model
 
@@ -107,6 +109,8 @@ def main() -> None:
     parser.add_argument("--llama-bench", help="a llama-bench binary: run llama.cpp on the same file in this run")
     parser.add_argument("--turns", type=int, default=0,
                         help="with --llama-bench: only the default formats and llama.cpp taking turns, N rounds")
+    parser.add_argument("--transformers", metavar="PYTHON",
+                        help="a Python with transformers and gguf: run transformers on the same file in this run")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
     if args.turns:
@@ -126,6 +130,14 @@ def main() -> None:
                   f"tg128 {measured['decode_1']:.1f} tok/s")
             for key, value in measured.items():
                 anchors[key] = {"llama.cpp this run": value, **anchors[key]}
+        if args.transformers:
+            theirs = transformers_baseline(args.transformers, name, torch.get_num_threads())
+            for dtype, measured in theirs.items():
+                results[f"{name}/transformers {dtype}"] = measured
+                print(f"{name} transformers {dtype}, this run: load {measured['load_s']:.1f} s, prefill 512 "
+                      f"{measured['prefill_512']:.1f} tok/s, decode {measured['decode_1']:.1f} tok/s")
+                for key in ("prefill_512", "decode_1"):
+                    anchors[key] = {f"transformers {dtype} this run": measured[key], **anchors[key]}
         for dtype in args.weights:
             try:
                 llm = LLM(name, weights=dtype, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)

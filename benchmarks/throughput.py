@@ -1,7 +1,7 @@
 """Serving throughput: many requests batched by the engine, against the same requests run one by one.
 
 Run: .venv/bin/python -m benchmarks.throughput [--weights auto|fp32|bf16|int8|int4] [--kv-dtype auto|fp32|bf16|int8]
-     [--num-requests N] [--quick] [--seed S]
+     [--num-requests N] [--quick] [--seed S] [--transformers PYTHON]
 
 Two fixed-seed workloads on one LLM (prefix cache on, as served):
   uniform  N requests of 128 prompt + 128 output tokens (greedy, ignore_eos), prompts cut from the reference texts
@@ -14,7 +14,9 @@ take too long; its totals are scaled to N and the output says so), each from a c
 output tokens/s over the wall time; the decode-phase rate (output tokens drawn after the step that gave the last
 request its first token, over the time since: the figure the anchors measure); time to first token p50/p99 (from
 when the request was added: all at once when batched, so it includes queueing); time per output token p50/p99. The
-anchors' aggregate-decode figures (ANCHORS.md) are printed beside the batched decode rate with ratios.
+anchors' aggregate-decode figures (ANCHORS.md) are printed beside the batched decode rate with ratios; with
+--transformers PYTHON (a Python that has transformers and gguf), so is transformers' batched decode on the same file,
+measured in the same run (benchmarks/transformers_baseline.py).
 JSON: benchmarks/results/throughput.json (one entry per model/dtype/workload size, earlier entries kept).
 """
 
@@ -32,6 +34,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ANCHORS as COMMON_ANCHORS
+from benchmarks.common import transformers_baseline
 from nextoken import LLM, SamplingParams
 from nextoken.engine.request import Request
 
@@ -176,11 +179,14 @@ def print_table(name: str, results: list[RunResult]) -> None:
               f"{serial.scaled_wall_s / batched.wall_s:.1f}x less wall time{note}")
 
 
-def print_anchors(model: str, dtype: str, batched: RunResult, serial: RunResult | None) -> None:
+def print_anchors(model: str, dtype: str, batched: RunResult, serial: RunResult | None,
+                  this_run: dict[str, float] | None = None) -> None:
     found = nearest_anchor(model, batched.num_requests)
     if found is None or batched.decode_tok_s is None:
         return
     size, anchors = found
+    if this_run:
+        anchors = {**this_run, **anchors}
     print(f"\nanchors (ANCHORS.md, 2026-11-29; the AVX2 rows: benchmarks/common.py): aggregate decode, {size} "
           f"sequences x 128 tokens, tok/s; ours = uniform batched decode phase, {batched.num_requests} sequences, "
           f"{dtype}")
@@ -212,6 +218,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="16 requests, 32 output tokens, 2 one by one")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-mib", type=int, default=768)
+    parser.add_argument("--transformers", metavar="PYTHON",
+                        help="a Python with transformers and gguf: its batched decode (bf16 and fp32, as many "
+                             "sequences x 128 prompt + the output tokens) on the same file in this run")
     args = parser.parse_args()
     num = args.num_requests or (16 if args.quick else 64)
     num_serial = min(num, args.one_by_one or (2 if args.quick else 8))
@@ -252,7 +261,13 @@ def main() -> None:
             "prompt_tokens": [len(s.prompt_ids) for s in specs],
             "runs": [{**r.__dict__, "scaled_wall_s": r.scaled_wall_s} for r in results]}
         first_results = first_results or results
-    print_anchors(args.model, fmt, first_results[0], first_results[1])
+    this_run = None
+    if args.transformers:
+        theirs = transformers_baseline(args.transformers, args.model, torch.get_num_threads(), batch=num,
+                                       batch_steps=output_len)
+        this_run = {f"transformers {dtype} this run": r[f"decode_{num}"] for dtype, r in theirs.items()}
+        payload["transformers"] = theirs
+    print_anchors(args.model, fmt, first_results[0], first_results[1], this_run)
     key = f"{args.model}/{llm.engine.runner.weights}/{llm.engine.runner.kv_dtype}/{num}x{output_len}"
     print(f"\nsaved {save(key, payload)} [{key}]")
 

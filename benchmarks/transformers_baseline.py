@@ -1,0 +1,92 @@
+"""transformers on a GGUF file, measured the way ANCHORS.md describes: the baseline that latency.py and throughput.py
+run beside nextoken (their --transformers PYTHON option) instead of quoting figures taken on another machine.
+
+Run with a Python that has torch, transformers and gguf (nextoken's own environment does not need them):
+    PYTHON benchmarks/transformers_baseline.py MODEL.gguf [--dtypes fp32 bf16] [--prefill 512] [--decode 128]
+        [--batch 64] [--batch-steps 128] [--threads N]
+
+transformers loads the GGUF dequantized into the dtype, with SDPA attention, and runs a greedy loop with its KV cache
+(its generate() is slower). Figures, one JSON object on stdout keyed by dtype:
+  load_s         from_pretrained, seconds;
+  prefill_512    tok/s of one forward pass over a prompt of that many tokens (median of 3, after one warm-up);
+  decode_1       tok/s of greedy steps of one sequence from a one-token prompt (llama-bench's tg128), median of 3;
+  decode_B       tok/s over all B sequences of `batch-steps` greedy steps after a 128-token prompt each (as
+                 llama-batched-bench -npp 128 -ntg N -npl B counts its generation phase), one run.
+Prompts are fixed-seed random token ids: the work per token does not depend on which.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _median_time(fn, repeats: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def _greedy(model, ids: torch.Tensor, steps: int) -> float:
+    """Seconds for `steps` greedy decode steps after a prefill of `ids` (not timed)."""
+    out = model(input_ids=ids, use_cache=True)
+    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token, past_key_values=cache, use_cache=True)
+        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return time.perf_counter() - start
+
+
+def measure(path: Path, dtype: str, prefill: int, decode: int, batch: int, batch_steps: int) -> dict[str, float]:
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=DTYPES[dtype],
+                                                 attn_implementation="sdpa")
+    model.eval()
+    result = {"load_s": time.perf_counter() - start}
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(10, vocab, (1, prefill), generator=gen)
+    with torch.inference_mode():
+        result[f"prefill_{prefill}"] = prefill / _median_time(lambda: model(input_ids=prompt, use_cache=False))
+    one = torch.randint(10, vocab, (1, 1), generator=gen)
+    result["decode_1"] = decode / _median_time(lambda: _greedy(model, one, decode))
+    if batch:
+        prompts = torch.randint(10, vocab, (batch, 128), generator=gen)
+        result[f"decode_{batch}"] = batch * batch_steps / _greedy(model, prompts, batch_steps)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--dtypes", nargs="*", default=["fp32", "bf16"], choices=list(DTYPES))
+    parser.add_argument("--prefill", type=int, default=512)
+    parser.add_argument("--decode", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=64, help="sequences of the batched figure (0: none)")
+    parser.add_argument("--batch-steps", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = {dtype: measure(args.model, dtype, args.prefill, args.decode, args.batch, args.batch_steps)
+               for dtype in args.dtypes}
+    json.dump(results, sys.stdout)
+    print()
+
+
+if __name__ == "__main__":
+    main()
