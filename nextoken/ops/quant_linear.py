@@ -122,6 +122,8 @@ class BlockLinear(nn.Module):
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
         self.lib = native.library()
+        # With AVX-512 VNNI, batches take the int16 GEMM over the blocks (nt_block_gemm) instead of the panels'.
+        self.int16_gemm = self.lib is not None and bool(self.lib.nt_has_vnni512())
         panels = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
@@ -171,12 +173,13 @@ class BlockLinear(nn.Module):
             return out.to(x.dtype)
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if x.shape[0] > self.max_rows:
+        gemm = x.shape[0] > self.max_rows
+        if gemm and not self.int16_gemm:
             native.sgemm(self.lib, x, self.panels, self.out_features, out)
             return out
         at = 0
         for p in self.parts:
-            native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows])
+            native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows], gemm=gemm)
             at += p.rows
         return out
 

@@ -161,9 +161,48 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
             x = torch.randn(rows, 96, generator=gen)
             out = torch.empty(rows, part.rows)
             native.block_matmul(kernels, part.kind, x, part.qs, part.d, part.m, out, gemm=True)
-            torch.testing.assert_close(out, (x.double() @ w.double().t()).float(), rtol=1e-5, atol=1e-5)
+            # fp32, or with AVX-512 VNNI int16 activation codes (within 2e-5 of x; see the next test)
+            size = (x.abs().double() @ w.abs().double().t()).float()
+            assert ((out - (x.double() @ w.double().t()).float()).abs() <= 3e-5 * size + 1e-5).all()
     with pytest.raises(ValueError, match="do not fit"):
         native.sgemm(kernels, torch.randn(2, 8), native.pack(kernels, torch.randn(4, 9)), 4, torch.empty(2, 4))
+
+
+def test_int16_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+    """With AVX-512 VNNI, products of many rows over block weights (block_matmul with gemm=True) meet the weights'
+    integer codes with int16 activation codes in 16-bit multiply-adds: within the activations' rounding of a float64
+    product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. Every format (Q4 with its offsets,
+    Q8, Q8 in halves), row counts past whole tiles of six, column counts past whole pairs of 16-column panels,
+    1-3 threads, rows of x and out with strides of their own."""
+    if not lib.nt_has_vnni512():
+        pytest.skip("this CPU has no AVX-512 VNNI: block_matmul(gemm=True) is the fp32 GEMM, tested above")
+    gen = torch.Generator().manual_seed(6)
+    for n, k in ((5, 32), (33, 96), (70, 576), (16, 1536)):
+        parts = [q4_weight(*regroup(torch.randn(n, k, generator=gen))),
+                 q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen))),
+                 q8_weight(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
+                           torch.rand(n, k // 16, generator=gen) / 10)]
+        for part in parts:
+            unpacked = unpack_nibbles(part.qs).float() if part.kind == Q4 else part.qs.float()
+            size = 16 if part.kind == Q8_HALVES else 32
+            w = (unpacked.unflatten(1, (-1, size)) * part.d.float().unsqueeze(-1)).flatten(1)
+            if part.m is not None:
+                w += part.m.float().repeat_interleave(32, dim=1)
+            for rows in (1, 5, 6, 13, 40):
+                x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+                expected = (x.double() @ w.double().t()).float()
+                bound = 3e-5 * (x.abs().double() @ w.abs().double().t()).float() + 1e-6
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    try:
+                        for library in (lib, avx2):
+                            out = torch.full((rows, n + 2), float("nan"))
+                            native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, out[:, 1:1 + n],
+                                                gemm=True)
+                            assert ((out[:, 1:1 + n] - expected).abs() <= bound).all(), (part.kind, n, k, rows)
+                            assert out[:, 0].isnan().all() and out[:, 1 + n].isnan().all()  # nothing past the view
+                    finally:
+                        torch.set_num_threads(2)
 
 
 @pytest.mark.parametrize("build", ["vectorized", "portable"])

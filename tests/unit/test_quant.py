@@ -162,10 +162,18 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
         BlockLinear([block], None, tuple(weight.shape))
 
 
-def test_block_linear_uses_the_dense_weight_for_large_batches() -> None:
+def test_block_linear_takes_a_gemm_for_large_batches() -> None:
+    """More than NATIVE_MAX_ROWS rows: the fp32 GEMM over the panels (the dense weight's products exactly) or, with
+    AVX-512 VNNI, the int16 GEMM over the blocks (within the activations' int16 rounding, like the block kernels)."""
     layer, dense = mixed_projection()
     many = torch.randn(NATIVE_MAX_ROWS + 1, 96)
-    assert torch.equal(layer(many), F.linear(many, dense))
+    expected = F.linear(many, dense)
+    if layer.int16_gemm:
+        bound = 3e-5 * (many.abs() @ dense.abs().t()) + 1e-6
+        assert ((layer(many) - expected).abs() <= bound).all()
+        assert not torch.equal(layer(many), expected)  # not the panels' fp32 products
+        layer.int16_gemm = False
+    assert torch.equal(layer(many), expected)
 
 
 def test_block_linear_falls_back_to_torch_int4(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -215,14 +223,18 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
     close = 2e-4 if kernels == "native" and exact_blocks else 1e-5
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=close, atol=close)
     assert torch.equal(out.argmax(-1), exact.argmax(-1))
-    # Batches bound by compute: an fp32 GEMM over the blocks when exact (the native one from HEAD_GEMM_ROWS rows on,
-    # else over vocabulary slices), over the float weight past the cheap pass's rows.
+    # Batches bound by compute: a GEMM over the blocks when exact (the native one from HEAD_GEMM_ROWS rows on, with
+    # AVX-512 VNNI on int16 activation codes; else fp32 over vocabulary slices), over the float weight past the cheap
+    # pass's rows.
     monkeypatch.setattr(Int8GroupHead, "VOCAB_SLICE", 1000)  # slices that do not divide the vocabulary
     sizes = [HEAD_GEMM_ROWS, HEAD_GEMM_ROWS + 7, head.max_rows + 1] if head.lib is not None else [head.max_rows + 1]
     for rows in sizes:
         many = torch.randn(rows, hidden, generator=gen)
         if rows <= head.max_rows and not exact_blocks:  # requantized: the cheap pass and its rescoring
             assert torch.equal(head(many).argmax(-1), F.linear(many, dense).argmax(-1))
+        elif exact_blocks and head.lib is not None:  # the native GEMM over the blocks (int16 codes with VNNI)
+            bound = 3e-5 * (many.abs() @ dense.abs().t()) + 1e-5
+            assert ((head(many) - F.linear(many, dense)).abs() <= bound).all()
         else:
             torch.testing.assert_close(head(many), F.linear(many, dense), rtol=1e-5, atol=1e-5)
 

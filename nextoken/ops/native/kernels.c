@@ -842,12 +842,176 @@ int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t
     return failed ? -1 : 0;
 }
 
-/* nt_block_matmul's product through the fp32 GEMM, for batches bound by compute: each thread dequantizes 16
- * weight rows at a time into a panel of its own (a few percent of the multiply-adds at 64 rows) and runs every row
- * tile of x over it, so no fp32 copy of the weight is kept. Returns 0, or -1 as nt_block_matmul. */
+#ifdef NT_VNNI512
+/* ------------------------------------------- int16 GEMM over block weights, AVX-512 VNNI */
+
+/* Products of many rows bound by compute, with the block kernels' precision at twice the fp32 GEMM's rate: the
+ * activations' int16 codes per 32 values (quantize_row16) meet the weights' exact integer codes widened to int16 in
+ * vpdpwssd, 32 products a vector where an fp32 FMA does 16; each scale group's int32 sums take one float multiply-
+ * add by the product of the two scales (and Q4's offset one more). The weights are widened per thread, 32 rows at a
+ * time, into two panels of [K / 2][16 rows][2] int16 (a 32-bit lane holds two neighbouring codes of one row), with
+ * their scales as [groups][16]: every row tile of x then runs over them. */
+
+#define IG_ROWS 6 /* activation rows of a tile: 12 int32 and 12 float accumulators, two weight vectors */
+
+typedef struct {
+    int16_t *codes[2];
+    float *scale[2], *offset[2]; /* [groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
+} ig_panels;
+
+/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p. */
+static void ig_widen(int kind, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N, int64_t K,
+                     const ig_panels *p) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
+    for (int h = 0; h < 2; h++) {
+        int32_t *pairs = (int32_t *)p->codes[h];
+        for (int64_t r = 0; r < 16; r++) {
+            const int64_t n = n0 + 16 * h + r;
+            if (n >= N) {
+                for (int64_t k = 0; k < K / 2; k++) pairs[k * 16 + r] = 0;
+                for (int64_t g = 0; g < sg; g++) p->scale[h][g * 16 + r] = 0.0f;
+                if (kind == 4)
+                    for (int64_t g = 0; g < groups; g++) p->offset[h][g * 16 + r] = 0.0f;
+                continue;
+            }
+            int16_t row[2 * QK];
+            for (int64_t g = 0; g < groups; g++) {
+                if (kind == 4) {
+                    const uint8_t *b = (const uint8_t *)qs + n * (K / 2) + g * 16;
+                    for (int e = 0; e < 16; e++) row[e] = b[e] & 0x0F, row[e + 16] = b[e] >> 4;
+                    p->scale[h][g * 16 + r] = half_to_float(((const uint16_t *)d)[n * groups + g]);
+                    p->offset[h][g * 16 + r] = half_to_float(m[n * groups + g]);
+                } else {
+                    const int8_t *c = (const int8_t *)qs + n * K + g * QK;
+                    for (int e = 0; e < QK; e++) row[e] = c[e];
+                    if (kind == 8) {
+                        p->scale[h][g * 16 + r] = half_to_float(((const uint16_t *)d)[n * groups + g]);
+                    } else {
+                        p->scale[h][2 * g * 16 + r] = ((const float *)d)[n * 2 * groups + 2 * g];
+                        p->scale[h][(2 * g + 1) * 16 + r] = ((const float *)d)[n * 2 * groups + 2 * g + 1];
+                    }
+                }
+                for (int e = 0; e < QK / 2; e++) {
+                    int32_t pair;
+                    memcpy(&pair, row + 2 * e, 4);
+                    pairs[(g * QK / 2 + e) * 16 + r] = pair;
+                }
+            }
+        }
+    }
+}
+
+/* out rows r0..r0 + T - 1, columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (codes xq) by the panels. */
+static inline __attribute__((always_inline)) void ig_tile(int kind, const int T, const quantized_rows *xq,
+                                                          int64_t r0, int64_t K, const ig_panels *p, float *out,
+                                                          int64_t ldo, int64_t n0, int64_t cols) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, pairs = kind == 6 ? 8 : 16;
+    __m512 f[IG_ROWS][2];
+    for (int t = 0; t < T; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < sg; s++) {
+        const int64_t g = kind == 6 ? s / 2 : s; /* the activations' scale group */
+        __m512i a[IG_ROWS][2];
+        for (int t = 0; t < T; t++) a[t][0] = a[t][1] = _mm512_setzero_si512();
+        const int16_t *w0 = p->codes[0] + s * pairs * 32, *w1 = p->codes[1] + s * pairs * 32;
+        const int16_t *xs = xq->q + r0 * K + s * pairs * 2;
+        for (int64_t k = 0; k < pairs; k++) {
+            const __m512i v0 = _mm512_loadu_si512(w0 + k * 32), v1 = _mm512_loadu_si512(w1 + k * 32);
+            for (int t = 0; t < T; t++) {
+                int32_t both;
+                memcpy(&both, xs + t * K + 2 * k, 4);
+                const __m512i b = _mm512_set1_epi32(both);
+                a[t][0] = _mm512_dpwssd_epi32(a[t][0], v0, b);
+                a[t][1] = _mm512_dpwssd_epi32(a[t][1], v1, b);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
+        for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(xq->d[(r0 + t) * groups + g]);
+            f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][0]), _mm512_mul_ps(d0, dx), f[t][0]);
+            f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][1]), _mm512_mul_ps(d1, dx), f[t][1]);
+        }
+        if (kind == 4) {
+            const __m512 m0 = _mm512_loadu_ps(p->offset[0] + s * 16), m1 = _mm512_loadu_ps(p->offset[1] + s * 16);
+            for (int t = 0; t < T; t++) {
+                const __m512 sx = _mm512_set1_ps(xq->s[(r0 + t) * groups + g]);
+                f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
+                f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
+            }
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int t = 0; t < T; t++) {
+        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0, k0, f[t][0]);
+        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0 + 16, k1, f[t][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void ig_rows(int kind, const quantized_rows *xq, int64_t M, int64_t K,
+                                                          const ig_panels *p, float *out, int64_t ldo, int64_t n0,
+                                                          int64_t cols) {
+    int64_t r0 = 0;
+    for (; r0 + IG_ROWS <= M; r0 += IG_ROWS) ig_tile(kind, IG_ROWS, xq, r0, K, p, out, ldo, n0, cols);
+    switch (M - r0) {
+    case 1: ig_tile(kind, 1, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 2: ig_tile(kind, 2, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 3: ig_tile(kind, 3, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 4: ig_tile(kind, 4, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 5: ig_tile(kind, 5, xq, r0, K, p, out, ldo, n0, cols); break;
+    default: break;
+    }
+}
+
+static int block_igemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                       const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
+    quantized_rows xq;
+    xq.block = malloc((size_t)(M * K * 2 + 2 * M * groups * (int64_t)sizeof(float)) + 64);
+    if (!xq.block) return -1;
+    xq.d = (float *)xq.block;
+    xq.s = xq.d + M * groups;
+    xq.q = (int16_t *)(xq.s + M * groups);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row16(x + r * ldx, K, xq.q + r * K, xq.d + r * groups, xq.s + r * groups, 0);
+    const int64_t pairs_of_panels = (N + 31) / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && pairs_of_panels > 1)
+    {
+        ig_panels p;
+        void *block = malloc((size_t)(2 * 16 * K * 2 + 2 * 2 * sg * 16 * (int64_t)sizeof(float)) + 64);
+        if (!block) failed = 1;
+        else {
+            p.codes[0] = (int16_t *)block, p.codes[1] = p.codes[0] + 16 * K;
+            p.scale[0] = (float *)(p.codes[1] + 16 * K), p.scale[1] = p.scale[0] + sg * 16;
+            p.offset[0] = p.scale[1] + sg * 16, p.offset[1] = p.offset[0] + sg * 16;
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < pairs_of_panels; c++) {
+            if (!block) continue;
+            const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
+            ig_widen(kind, qs, d, m, n0, N, K, &p);
+            if (kind == 4) ig_rows(4, &xq, M, K, &p, out, ldo, n0, cols);
+            else if (kind == 8) ig_rows(8, &xq, M, K, &p, out, ldo, n0, cols);
+            else ig_rows(6, &xq, M, K, &p, out, ldo, n0, cols);
+        }
+        free(block);
+    }
+    free(xq.block);
+    return failed ? -1 : 0;
+}
+#endif
+
+/* nt_block_matmul's product through a GEMM, for batches bound by compute: with AVX-512 VNNI the int16 one
+ * (block_igemm), else the fp32 one: each thread dequantizes 16 weight rows at a time into a panel of its own (a few
+ * percent of the multiply-adds at 64 rows) and runs every row tile of x over it. Either way no fp32 copy of the
+ * weight is kept. Returns 0, or -1 as nt_block_matmul. */
 int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                   const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
     if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
+#ifdef NT_VNNI512
+    return block_igemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+#endif
     const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
@@ -1403,14 +1567,20 @@ typedef struct {
 /* out [M, n] = x [M, k] @ W^T: the fp32 GEMM over the panels from `gemm_rows` rows on (bound by compute there),
  * else the block kernels (bound by the bytes of the weight). */
 static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
+#ifdef NT_VNNI512
+    const int gemm = M >= gemm_rows; /* the int16 GEMM over the blocks themselves (block_igemm) */
+#else
     if (w->panels && M >= gemm_rows) {
         nt_sgemm(x, M, w->parts[0].k, w->parts[0].k, w->panels, w->n, out, w->n, threads);
         return 0;
     }
+    const int gemm = 0;
+#endif
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];
-        status |= nt_block_matmul((int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m, out + at, w->n, threads);
+        status |= (gemm ? nt_block_gemm : nt_block_matmul)((int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m,
+                                                           out + at, w->n, threads);
     }
     return status;
 }
