@@ -38,6 +38,9 @@ NATIVE_MAX_ROWS = 11
 # 64 rows 29.2 vs 23.8) and keeps no fp32 copy.
 HEAD_NATIVE_MAX_ROWS = 128
 HEAD_GEMM_ROWS = 16
+# With AVX-512 VNNI, batches of this many rows or more take the int16 GEMM over the blocks rather than the fp32
+# GEMM over the panels (IG_MIN_ROWS in kernels.c, measured there).
+INT16_GEMM_MIN_ROWS = 96
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
@@ -122,7 +125,8 @@ class BlockLinear(nn.Module):
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
         self.lib = native.library()
-        # With AVX-512 VNNI, batches take the int16 GEMM over the blocks (nt_block_gemm) instead of the panels'.
+        # With AVX-512 VNNI, batches of INT16_GEMM_MIN_ROWS or more take the int16 GEMM over the blocks
+        # (nt_block_gemm) instead of the panels' fp32 one.
         self.int16_gemm = self.lib is not None and bool(self.lib.nt_has_vnni512())
         panels = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
@@ -174,7 +178,7 @@ class BlockLinear(nn.Module):
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         gemm = x.shape[0] > self.max_rows
-        if gemm and not self.int16_gemm:
+        if gemm and (not self.int16_gemm or x.shape[0] < INT16_GEMM_MIN_ROWS):
             native.sgemm(self.lib, x, self.panels, self.out_features, out)
             return out
         at = 0

@@ -19,7 +19,7 @@ from nextoken.loader.gguf import read_gguf
 from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
-from nextoken.ops import native
+from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (Q4, Q8, Q8_HALVES, BlockLinear, q4_weight, q8_codes, q8_weight, regroup,
                                         unpack_nibbles)
@@ -263,7 +263,7 @@ def decode_step(net: torch.nn.Module, cfg: ModelConfig, pool: KVPool, tokens: li
     return net(torch.tensor(tokens), torch.tensor(lengths), pool.layers, meta)
 
 
-@pytest.mark.parametrize("products", ["blocks", "gemm"])
+@pytest.mark.parametrize("products", ["blocks", "gemm", "int16"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 @torch.inference_mode()
@@ -271,18 +271,29 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
                                           tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """products "gemm": the fused step takes the fp32 GEMM over each projection's panels, as it does for batches of
     GEMM_MIN_ROWS rows or more (here from one row on), and so do the modules. The blocks are zeroed then, so a
-    product that took them instead would show (the tiny files are float: their 4-bit blocks are a requantization)."""
+    product that took them instead would show (the tiny files are float: their 4-bit blocks are a requantization).
+    "int16": with AVX-512 VNNI, the int16 GEMM over the blocks, as from INT16_GEMM_MIN_ROWS rows (here from one row
+    on), in the step and the modules; the panels are zeroed then."""
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
     net = load_model(gguf, cfg, quant="int4", quantize_head=True)
     assert net.fused is not None
-    if products == "gemm":
-        net.fused.gemm_rows = 1
+    if products == "int16" and not native.library().nt_has_vnni512():
+        pytest.skip("this CPU has no AVX-512 VNNI: no int16 GEMM")
+    if products != "blocks":
+        net.fused.gemm_rows = net.fused.int16_rows = 1
+        monkeypatch.setattr(quant_linear, "INT16_GEMM_MIN_ROWS", 1 if products == "int16" else 1 << 30)
         for module in net.modules():
             if isinstance(module, BlockLinear):
                 module.max_rows = 0
-                for part in module.parts:
-                    part.d.zero_()
+                if products == "int16":
+                    module.panels.zero_()
+                else:
+                    module.int16_gemm = False
+                    for part in module.parts:
+                        part.d.zero_()
+        if products == "gemm":
+            net.fused.int16_rows = 1 << 30
     runs = []
     real = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *args: runs.append(1) or real(self, *args))

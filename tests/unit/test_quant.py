@@ -13,9 +13,10 @@ from gguf import GGMLQuantizationType
 
 from nextoken.loader.dequant import dequantize
 from nextoken.ops import native
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES,
-                                        BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes, q4_weight,
-                                        q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup, unpack_nibbles)
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, INT16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q4, Q8,
+                                        Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes,
+                                        q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup,
+                                        unpack_nibbles)
 
 _Q = GGMLQuantizationType
 
@@ -164,9 +165,12 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
 
 def test_block_linear_takes_a_gemm_for_large_batches() -> None:
     """More than NATIVE_MAX_ROWS rows: the fp32 GEMM over the panels (the dense weight's products exactly) or, with
-    AVX-512 VNNI, the int16 GEMM over the blocks (within the activations' int16 rounding, like the block kernels)."""
+    AVX-512 VNNI from INT16_GEMM_MIN_ROWS rows, the int16 GEMM over the blocks (within the activations' int16
+    rounding, like the block kernels)."""
     layer, dense = mixed_projection()
-    many = torch.randn(NATIVE_MAX_ROWS + 1, 96)
+    few = torch.randn(NATIVE_MAX_ROWS + 1, 96)  # short of INT16_GEMM_MIN_ROWS: the panels either way
+    assert torch.equal(layer(few), F.linear(few, dense))
+    many = torch.randn(INT16_GEMM_MIN_ROWS, 96)
     expected = F.linear(many, dense)
     if layer.int16_gemm:
         bound = 3e-5 * (many.abs() @ dense.abs().t()) + 1e-6

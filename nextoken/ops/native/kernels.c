@@ -853,6 +853,10 @@ int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t
  * their scales as [groups][16]: every row tile of x then runs over them. */
 
 #define IG_ROWS 6 /* activation rows of a tile: 12 int32 and 12 float accumulators, two weight vectors */
+/* A projection takes it rather than the fp32 GEMM over its panels from INT16_GEMM_MIN_ROWS rows (quant_linear.py):
+ * widening the weights costs about 0.4 ns a Q4 weight per call (SmolLM2's 30 layers, ms: 64 rows 84 vs 70, 128 rows
+ * 123 vs 142, 512 rows 356 vs 521). The LM head has no panels: its blocks take it from 16 rows (ms: 16 rows 6.3 vs
+ * 7.8 for the fp32 GEMM over dequantized rows, 64 rows 13.4 vs 20.0). */
 
 typedef struct {
     int16_t *codes[2];
@@ -1564,18 +1568,21 @@ typedef struct {
     nt_matrix qkv, o, gate_up, down;
 } nt_layer;
 
-/* out [M, n] = x [M, k] @ W^T: the fp32 GEMM over the panels from `gemm_rows` rows on (bound by compute there),
+/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, with AVX-512 VNNI the
+ * int16 one over the blocks from `int16_rows` rows on, else the fp32 one over the panels,
  * else the block kernels (bound by the bytes of the weight). */
-static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
+static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows,
+                  int64_t int16_rows) {
 #ifdef NT_VNNI512
-    const int gemm = M >= gemm_rows; /* the int16 GEMM over the blocks themselves (block_igemm) */
+    const int gemm = M >= gemm_rows && M >= int16_rows; /* the int16 GEMM over the blocks (block_igemm) */
 #else
-    if (w->panels && M >= gemm_rows) {
+    (void)int16_rows;
+    const int gemm = 0;
+#endif
+    if (!gemm && w->panels && M >= gemm_rows) {
         nt_sgemm(x, M, w->parts[0].k, w->parts[0].k, w->panels, w->n, out, w->n, threads);
         return 0;
     }
-    const int gemm = 0;
-#endif
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];
@@ -1649,13 +1656,14 @@ int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M)
 /* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
  * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
  * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least
- * nt_decode_scratch() floats; gemm_rows: from how many rows products take the fp32 GEMM (see matmul); final_norm:
+ * nt_decode_scratch() floats; gemm_rows, int16_rows: from how many rows products take a GEMM, and with AVX-512
+ * VNNI the int16 one (see matmul); final_norm:
  * the model's last RMSNorm, applied to x in place after the last block (null: none). Returns 0, or -1 when a size is
  * unsupported or memory runs out. */
 int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
                      const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
                      int64_t num_layers, const float *const *rope_tables, float *scratch, int64_t gemm_rows,
-                     const float *final_norm, float final_eps, int threads) {
+                     int64_t int16_rows, const float *final_norm, float final_eps, int threads) {
     const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
     float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
     int status = 0;
@@ -1666,7 +1674,7 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         const int64_t qkv_n = L->qkv.n;
         /* attention */
         norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
-        status |= matmul(&L->qkv, h, M, big, threads, gemm_rows);
+        status |= matmul(&L->qkv, h, M, big, threads, gemm_rows, int16_rows);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
             float *row = big + t * qkv_n; /* q heads, k heads, v heads */
@@ -1683,15 +1691,15 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         }
         status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
                                    L->window, threads);
-        status |= matmul(&L->o, tmp, M, h, threads, gemm_rows);
+        status |= matmul(&L->o, tmp, M, h, threads, gemm_rows, int16_rows);
         if (L->attn_out_norm) norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
         norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
-        status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows);
+        status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows, int16_rows);
         const int64_t F = L->ffn;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) nt_gated(L->activation, big + t * 2 * F, big + t * 2 * F + F, att + t * F, F);
-        status |= matmul(&L->down, att, M, h, threads, gemm_rows);
+        status |= matmul(&L->down, att, M, h, threads, gemm_rows, int16_rows);
         if (L->mlp_out_norm) norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++)
