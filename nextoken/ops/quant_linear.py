@@ -39,8 +39,8 @@ NATIVE_MAX_ROWS = 11
 HEAD_NATIVE_MAX_ROWS = 128
 HEAD_GEMM_ROWS = 16
 # With AVX-512 VNNI, batches of this many rows or more take the int16 GEMM over the blocks rather than the fp32
-# GEMM over the panels (IG_MIN_ROWS in kernels.c, measured there).
-INT16_GEMM_MIN_ROWS = 96
+# GEMM over the panels: every batch past the block kernels' (measured beside block_igemm in kernels.c).
+INT16_GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 

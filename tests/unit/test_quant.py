@@ -167,17 +167,19 @@ def test_block_linear_takes_a_gemm_for_large_batches() -> None:
     """More than NATIVE_MAX_ROWS rows: the fp32 GEMM over the panels (the dense weight's products exactly) or, with
     AVX-512 VNNI from INT16_GEMM_MIN_ROWS rows, the int16 GEMM over the blocks (within the activations' int16
     rounding, like the block kernels)."""
+    assert INT16_GEMM_MIN_ROWS > NATIVE_MAX_ROWS
     layer, dense = mixed_projection()
-    few = torch.randn(NATIVE_MAX_ROWS + 1, 96)  # short of INT16_GEMM_MIN_ROWS: the panels either way
-    assert torch.equal(layer(few), F.linear(few, dense))
-    many = torch.randn(INT16_GEMM_MIN_ROWS, 96)
-    expected = F.linear(many, dense)
-    if layer.int16_gemm:
-        bound = 3e-5 * (many.abs() @ dense.abs().t()) + 1e-6
-        assert ((layer(many) - expected).abs() <= bound).all()
-        assert not torch.equal(layer(many), expected)  # not the panels' fp32 products
-        layer.int16_gemm = False
-    assert torch.equal(layer(many), expected)
+    vnni = layer.int16_gemm
+    for rows in (NATIVE_MAX_ROWS + 1, INT16_GEMM_MIN_ROWS, 96):
+        x = torch.randn(rows, 96)
+        expected = F.linear(x, dense)
+        layer.int16_gemm = vnni
+        if vnni and rows >= INT16_GEMM_MIN_ROWS:
+            bound = 3e-5 * (x.abs() @ dense.abs().t()) + 1e-6
+            assert ((layer(x) - expected).abs() <= bound).all()
+            assert not torch.equal(layer(x), expected)  # not the panels' fp32 products
+            layer.int16_gemm = False
+        assert torch.equal(layer(x), expected)
 
 
 def test_block_linear_falls_back_to_torch_int4(monkeypatch: pytest.MonkeyPatch) -> None:

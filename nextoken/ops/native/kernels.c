@@ -854,53 +854,77 @@ int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t
 
 #define IG_ROWS 6 /* activation rows of a tile: 12 int32 and 12 float accumulators, two weight vectors */
 /* A projection takes it rather than the fp32 GEMM over its panels from INT16_GEMM_MIN_ROWS rows (quant_linear.py):
- * widening the weights costs about 0.4 ns a Q4 weight per call (SmolLM2's 30 layers, ms: 64 rows 84 vs 70, 128 rows
- * 123 vs 142, 512 rows 356 vs 521). The LM head has no panels: its blocks take it from 16 rows (ms: 16 rows 6.3 vs
- * 7.8 for the fp32 GEMM over dequantized rows, 64 rows 13.4 vs 20.0). */
+ * widening the weights, 16 x 16 int32 transposes of the unpacked codes, costs less than the products it saves from
+ * 12 rows (SmolLM2's 30 layers' projections, ms, block kernels / fp32 panels / int16: 12 rows 18.4 / 15.8 / 13.2,
+ * 32 rows 43.9 / 37.9 / 25.1, 128 rows 168.5 / 142.9 / 83.4, 512 rows 819 / 555 / 337). The LM head has no
+ * panels: its blocks take it from 16 rows (ms: 16 rows 5.6 vs 8.1 for the fp32 GEMM over dequantized rows, 64 rows
+ * 12.8 vs 20.2). */
 
 typedef struct {
     int16_t *codes[2];
     float *scale[2], *offset[2]; /* [groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
 } ig_panels;
 
-/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p. */
+/* r[i] lane c -> r[c] lane i, for 16 vectors of 16 int32: pairs within 128-bit lanes, then 4 x 4 blocks of lanes. */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + j], 128-bit lane L: column 4L + j of rows 4i..4i + 3 */
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        const __m512i ab02 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), ab13 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+        const __m512i cd02 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
+        const __m512i cd13 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
+        t[j] = _mm512_shuffle_i32x4(ab02, cd02, 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(ab13, cd13, 0x88);
+        t[8 + j] = _mm512_shuffle_i32x4(ab02, cd02, 0xDD);
+        t[12 + j] = _mm512_shuffle_i32x4(ab13, cd13, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p: per panel and block, the 16 rows'
+ * 32 codes as int16 (a vector of 16 pairs each), transposed so that vector k holds pair k of every row. */
 static void ig_widen(int kind, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N, int64_t K,
                      const ig_panels *p) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
     for (int h = 0; h < 2; h++) {
-        int32_t *pairs = (int32_t *)p->codes[h];
-        for (int64_t r = 0; r < 16; r++) {
-            const int64_t n = n0 + 16 * h + r;
-            if (n >= N) {
-                for (int64_t k = 0; k < K / 2; k++) pairs[k * 16 + r] = 0;
-                for (int64_t g = 0; g < sg; g++) p->scale[h][g * 16 + r] = 0.0f;
-                if (kind == 4)
-                    for (int64_t g = 0; g < groups; g++) p->offset[h][g * 16 + r] = 0.0f;
-                continue;
-            }
-            int16_t row[2 * QK];
-            for (int64_t g = 0; g < groups; g++) {
-                if (kind == 4) {
-                    const uint8_t *b = (const uint8_t *)qs + n * (K / 2) + g * 16;
-                    for (int e = 0; e < 16; e++) row[e] = b[e] & 0x0F, row[e + 16] = b[e] >> 4;
-                    p->scale[h][g * 16 + r] = half_to_float(((const uint16_t *)d)[n * groups + g]);
-                    p->offset[h][g * 16 + r] = half_to_float(m[n * groups + g]);
+        __m512i *pairs = (__m512i *)p->codes[h];
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++) {
+                const int64_t n = n0 + 16 * h + i;
+                if (n >= N) {
+                    r[i] = _mm512_setzero_si512();
+                } else if (kind == 4) { /* byte j: element j (low nibble), j + 16 (high) */
+                    const __m128i b = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + n * (K / 2) + g * 16));
+                    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+                    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+                    r[i] = _mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo));
                 } else {
-                    const int8_t *c = (const int8_t *)qs + n * K + g * QK;
-                    for (int e = 0; e < QK; e++) row[e] = c[e];
-                    if (kind == 8) {
-                        p->scale[h][g * 16 + r] = half_to_float(((const uint16_t *)d)[n * groups + g]);
-                    } else {
-                        p->scale[h][2 * g * 16 + r] = ((const float *)d)[n * 2 * groups + 2 * g];
-                        p->scale[h][(2 * g + 1) * 16 + r] = ((const float *)d)[n * 2 * groups + 2 * g + 1];
-                    }
-                }
-                for (int e = 0; e < QK / 2; e++) {
-                    int32_t pair;
-                    memcpy(&pair, row + 2 * e, 4);
-                    pairs[(g * QK / 2 + e) * 16 + r] = pair;
+                    r[i] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)qs + n * K + g * QK)));
                 }
             }
+            transpose16_epi32(r);
+            for (int k = 0; k < 16; k++) _mm512_storeu_si512(pairs + g * 16 + k, r[k]);
+        }
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t n = n0 + 16 * h + i;
+            for (int64_t g = 0; g < sg; g++) {
+                float scale = 0.0f;
+                if (n < N)
+                    scale = kind == 6 ? ((const float *)d)[n * sg + g] : half_to_float(((const uint16_t *)d)[n * groups + g]);
+                p->scale[h][g * 16 + i] = scale;
+            }
+            if (kind == 4)
+                for (int64_t g = 0; g < groups; g++) p->offset[h][g * 16 + i] = n < N ? half_to_float(m[n * groups + g]) : 0.0f;
         }
     }
 }
