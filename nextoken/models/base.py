@@ -21,11 +21,10 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import Linear, RMSNorm
-from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding,
-                                       BlockLinear, Int8GroupHead, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes,
-                                       q8_codes, q8_weight, regroup)
+from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
+                                       block_only_types, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
+                                       q8_weight, regroup)
 
 
 class CausalLM(nn.Module):
@@ -113,8 +112,9 @@ class CausalLM(nn.Module):
         int8, float files regrouped into 4 bits. int8: int8 blocks everywhere (Q5_0, Q6_K, Q8_0 exactly). With
         `quantize_head`, decode rows go through `Int8GroupHead` (CPU only), and a Q8_0 token table stays in its
         blocks (`BlockEmbedding`): no fp32 copy, and a tied head rescores its candidates from the same blocks.
-        Projections whose blocks are exactly their weights (EXACT_PANEL_TYPES) are not dequantized at all on CPU: the
-        native kernels build their GEMM panels from the blocks."""
+        Projections whose blocks are exactly their weights (EXACT_PANEL_TYPES), and with AVX-512 VNNI all 4-bit ones
+        (see block_only_types), are not dequantized at all on CPU: the native kernels build their GEMM panels from
+        the blocks, or need none."""
         state: dict[str, torch.Tensor] = {}
         sources: dict[str, list[tuple[str, torch.Tensor]]] = {}  # projection -> (file tensor, transformed weight)
         embedding = gguf.tensors.get("token_embd.weight")
@@ -124,8 +124,8 @@ class CausalLM(nn.Module):
             self.embed_tokens = BlockEmbedding(*q8_0_codes(gguf.raw(embedding.name), embedding.shape))
         expected = dict(self.named_parameters())
         # Projections whose file blocks hold their weights exactly skip the fp32 copy: the native kernels dequantize
-        # their GEMM panels straight from the blocks (BlockLinear).
-        exact_types = EXACT_PANEL_TYPES.get(quant or "", ()) if device.type == "cpu" and native.library() else ()
+        # their GEMM panels straight from the blocks, or with AVX-512 VNNI need none (BlockLinear).
+        exact_types = block_only_types(quant) if device.type == "cpu" else ()
         for param, files in self.gguf_tensor_map().items():
             if param == "embed_tokens.weight" and isinstance(self.embed_tokens, BlockEmbedding):
                 continue

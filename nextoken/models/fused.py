@@ -7,9 +7,9 @@ model has them, rotary embedding, the K/V write into the paged cache, attention 
 output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
-`GEMM_MIN_ROWS` rows on they are bound by compute, where the native fp32 GEMM over each projection's packed panels
-(the ones its module uses for prefill) is faster, and with AVX-512 VNNI from `INT16_GEMM_MIN_ROWS` rows the int16
-GEMM over the blocks; the step stays one native call either way.
+`GEMM_MIN_ROWS` rows on they are bound by compute, where a GEMM is faster: with AVX-512 VNNI the int16 GEMM over
+the blocks (from `INT16_GEMM_MIN_ROWS` rows), else the native fp32 GEMM over each projection's packed panels (the
+ones its module uses for prefill); the step stays one native call either way.
 
 It is only a faster route through the same model: the modules stay the definition (prefill, GPUs and traced runs
 use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies
@@ -38,12 +38,12 @@ GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1  # rows from which a fused step's products t
 
 
 def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
-    if not isinstance(projection, BlockLinear) or projection.lib is None or projection.panels is None:
+    if not isinstance(projection, BlockLinear) or projection.lib is None:
         return None
     parts = [native.Part(p.kind, p.rows, projection.in_features, p.qs.data_ptr(), p.d.data_ptr(),
                          None if p.m is None else p.m.data_ptr()) for p in projection.parts]
     return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts),
-                         projection.panels.data_ptr())
+                         None if projection.panels is None else projection.panels.data_ptr())
 
 
 def _norm(norm: RMSNorm | None) -> int | None:

@@ -107,16 +107,31 @@ def _merge(parts: list[BlockWeight]) -> list[BlockWeight]:
     return merged
 
 
+def block_only_types(quant: str | None) -> tuple[GGMLQuantizationType, ...]:
+    """The file types whose projections load as blocks alone, never dequantized to an fp32 copy (the CPU's native
+    kernels): those the blocks hold exactly (EXACT_PANEL_TYPES: their GEMM panels come from the blocks) and, with
+    AVX-512 VNNI, where every product runs on the blocks and no projection keeps panels, the 4-bit types whose codes
+    int4 keeps (Q4_K's scales become fp16 per 32, as decode has them everywhere)."""
+    lib = native.library()
+    types = EXACT_PANEL_TYPES.get(quant or "", ()) if lib is not None else ()
+    if quant == "int4" and lib is not None and lib.nt_has_vnni512():
+        types += tuple(t for t in Q4_TYPES if t not in types)
+    return types
+
+
 class BlockLinear(nn.Module):
-    """A projection held as block-quantized parts (stacked output rows, each in its own format), for up to
-    `max_rows` rows; larger batches take an fp32 GEMM over `panels` (native) or the dense `dense` (torch).
+    """A projection held as block-quantized parts (stacked output rows, each in its own format). Up to `max_rows`
+    rows take the block kernels; larger batches, with the native kernels, the int16 GEMM over the blocks where the
+    CPU has AVX-512 VNNI, else an fp32 GEMM over `panels` (the weight packed in 16-column panels), and without them
+    torch's GEMM over the dense `dense`.
 
     `dense` is the fp32 weight [out, in]; None where the parts hold the weight exactly (the file's own blocks, see
     EXACT_PANEL_TYPES): the native kernels then dequantize the panels straight from them, and no fp32 copy of the
-    weight is ever made (`shape` gives its size)."""
+    weight is ever made (`shape` gives its size). With AVX-512 VNNI neither panels nor the fp32 weight are kept
+    (`panels`: True or False to choose), and `weight` dequantizes the blocks when asked."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
-                 shape: tuple[int, int] | None = None) -> None:
+                 shape: tuple[int, int] | None = None, panels: bool | None = None) -> None:
         super().__init__()
         if dense is None and shape is None:
             raise ValueError("a projection without its fp32 weight needs its shape")
@@ -128,16 +143,14 @@ class BlockLinear(nn.Module):
         # With AVX-512 VNNI, batches of INT16_GEMM_MIN_ROWS or more take the int16 GEMM over the blocks
         # (nt_block_gemm) instead of the panels' fp32 one.
         self.int16_gemm = self.lib is not None and bool(self.lib.nt_has_vnni512())
-        panels = None
+        packed = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = NATIVE_MAX_ROWS
-            if dense is None:
-                panels = native.pack_blocks(self.lib, [(p.kind, p.qs, p.d, p.m) for p in self.parts],
-                                            self.out_features, self.in_features)
-            else:
-                panels = native.pack(self.lib, dense)
+            if panels or (panels is None and not self.int16_gemm):
+                packed = self._blocks_panels() if dense is None else native.pack(self.lib, dense)
+            dense = None
         elif all(p.kind == Q4 for p in self.parts):  # torch's int4 kernel (bf16 activations)
             self.lib = None
             self.max_rows = TORCH_INT4_MAX_ROWS
@@ -150,15 +163,27 @@ class BlockLinear(nn.Module):
         else:
             self.lib = None
             self.max_rows = 0  # no kernel for these formats here: the dense weight
-        self.register_buffer("panels", panels, persistent=False)
-        self.dense = None if panels is not None else nn.Parameter(dense, requires_grad=False)
+        self.register_buffer("panels", packed, persistent=False)
+        self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
+
+    def _blocks_panels(self) -> torch.Tensor:
+        return native.pack_blocks(self.lib, [(p.kind, p.qs, p.d, p.m) for p in self.parts], self.out_features,
+                                  self.in_features)
+
+    def pack_panels(self) -> None:
+        """Keep the fp32 GEMM's panels (dequantized from the blocks) where there are none, as CPUs without AVX-512
+        VNNI do: their GEMM then serves batches past the block kernels unless `int16_gemm` is set."""
+        if self.lib is not None and self.panels is None:
+            self.panels = self._blocks_panels()
 
     @property
     def weight(self) -> torch.Tensor:
-        """The fp32 weight [out, in] (unpacked from the panels where the native GEMM holds it)."""
-        if self.panels is not None:
-            return native.unpack(self.panels, self.out_features, self.in_features)
-        return self.dense
+        """The fp32 weight [out, in]: unpacked from the panels, or dequantized from the blocks where there are
+        none and no fp32 copy."""
+        if self.dense is not None:
+            return self.dense
+        panels = self.panels if self.panels is not None else self._blocks_panels()
+        return native.unpack(panels, self.out_features, self.in_features)
 
     @property
     def kinds(self) -> set[int]:
@@ -170,15 +195,15 @@ class BlockLinear(nn.Module):
         return sum(p.bytes_per_weight * p.rows for p in self.parts) / self.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.max_rows and self.panels is None:
-            return F.linear(x, self.dense)
+        gemm = x.shape[0] > self.max_rows
         if self.lib is None:
+            if gemm:
+                return F.linear(x, self.dense)
             out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
             return out.to(x.dtype)
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        gemm = x.shape[0] > self.max_rows
-        if gemm and (not self.int16_gemm or x.shape[0] < INT16_GEMM_MIN_ROWS):
+        if gemm and self.panels is not None and (not self.int16_gemm or x.shape[0] < INT16_GEMM_MIN_ROWS):
             native.sgemm(self.lib, x, self.panels, self.out_features, out)
             return out
         at = 0

@@ -261,7 +261,11 @@ def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType
     blocks = LLM(str(path), device="cpu", weights="int4", lm_head="fp32", kv_cache_bytes=8 << 20)  # one head for both
     dense = LLM(str(path), device="cpu", weights="fp32", kv_cache_bytes=8 << 20)
     projection = blocks.engine.runner.model.layers[0].attn.qkv_proj
-    assert isinstance(projection, BlockLinear) and projection.dense is None and projection.panels is not None
+    assert isinstance(projection, BlockLinear) and projection.dense is None
+    assert (projection.panels is None) == projection.int16_gemm  # with AVX-512 VNNI: no panels either
+    for module in blocks.engine.runner.model.modules():
+        if isinstance(module, BlockLinear):
+            module.pack_panels()
     ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log")
     assert len(ids) > NATIVE_MAX_ROWS  # a prefill past the block kernels: the fp32 GEMM over the panels
     torch.testing.assert_close(blocks.engine.runner.score(ids), dense.engine.runner.score(ids), rtol=1e-4, atol=1e-4)

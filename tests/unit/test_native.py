@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.loader.gguf import read_gguf
@@ -21,8 +22,8 @@ from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (Q4, Q8, Q8_HALVES, BlockLinear, q4_weight, q8_codes, q8_weight, regroup,
-                                        unpack_nibbles)
+from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockLinear, q4_weight, q8_codes,
+                                        q8_weight, regroup, unpack_nibbles)
 
 PORTABLE_FLAGS = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx2", "-mno-fma", "-mno-f16c"]
 AVX2_FLAGS = [*native.FLAGS, "-mno-avx512f"]  # the host's build without AVX-512: the int16 route for every product
@@ -287,13 +288,16 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
             if isinstance(module, BlockLinear):
                 module.max_rows = 0
                 if products == "int16":
-                    module.panels.zero_()
+                    if module.panels is not None:
+                        module.panels.zero_()
                 else:
+                    module.pack_panels()  # with VNNI there are none
                     module.int16_gemm = False
                     for part in module.parts:
                         part.d.zero_()
         if products == "gemm":
-            net.fused.int16_rows = 1 << 30
+            net.fused = FusedDecoder.build(net)  # with the panels
+            net.fused.gemm_rows, net.fused.int16_rows = 1, 1 << 30
     runs = []
     real = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *args: runs.append(1) or real(self, *args))
@@ -349,3 +353,26 @@ def test_fused_decode_follows_a_new_pool(tiny_llama: Path) -> None:
     structs = net.fused._cache_structs(second.layers)
     for struct, layer in zip(structs, second.layers):
         assert (struct.k, struct.v) == (layer.k.data_ptr(), layer.v.data_ptr())
+
+
+def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctypes.CDLL,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernels decide what a projection keeps: with AVX-512 VNNI its blocks alone (4-bit files load without a
+    float copy, Q4_K included); without, the fp32 GEMM's panels beside them (Q4_K, inexact in fp16 scales, through
+    the loader's dequantization)."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 64, generator=gen)
+    parts = [q4_weight(*regroup(weight))]
+    for kernels in (lib, avx2):
+        monkeypatch.setattr(native, "library", lambda kernels=kernels: kernels)
+        vnni = bool(kernels.nt_has_vnni512())
+        layer = BlockLinear(parts, weight)
+        assert layer.int16_gemm == vnni and (layer.panels is None) == vnni and layer.dense is None
+        assert (GGMLQuantizationType.Q4_K in quant_linear.block_only_types("int4")) == vnni
+        assert GGMLQuantizationType.Q4_K not in quant_linear.block_only_types("int8")
+        x = torch.randn(NATIVE_MAX_ROWS + 5, 64, generator=gen)
+        # int16 activation codes over the blocks, or the fp32 GEMM over panels of the weight given
+        reference = F.linear(x, layer.weight)
+        assert torch.equal(layer.weight, weight) != vnni
+        bound = (3e-5 if vnni else 1e-6) * (x.abs() @ layer.weight.abs().t()) + 1e-6
+        assert ((layer(x) - reference).abs() <= bound).all()

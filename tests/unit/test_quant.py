@@ -107,7 +107,7 @@ def mixed_projection(seed: int = 0, cols: int = 96) -> tuple[BlockLinear, torch.
     exact = torch.cat((rebuild_q4(unpack_nibbles(parts[0].qs), parts[0].d.float(), parts[0].m.float()),
                        rebuild_q8(parts[1].qs, parts[1].d), rebuild_q8(parts[2].qs, parts[2].d)))
     assert (exact - dense).abs().max() < 1e-2  # only fp16 rounding of the scales
-    return BlockLinear(parts, exact), exact
+    return BlockLinear(parts, exact, panels=True), exact
 
 
 @pytest.mark.parametrize("cols", [96, 320])  # 3 or 10 blocks per row: scales one by one, or in vectors and a last one
@@ -145,7 +145,7 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
     made = [exact_blocks(qtype, rows, 256, seed=rows)
             for qtype, rows in zip(EXACT_PANEL_TYPES[quant], (13, 21, 7, 18, 5))]
     weight = torch.cat([w for _, w in made])
-    layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape))
+    layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape), panels=True)
     assert layer.dense is None and torch.equal(layer.panels, native.pack(lib, weight))
     assert torch.equal(layer.weight, weight)
     x = torch.randn(NATIVE_MAX_ROWS + 3, 256, generator=torch.Generator().manual_seed(1))
@@ -154,6 +154,27 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
     assert ((layer(x).double() - F.linear(x.double(), weight.double())).abs() <= bound).all()
     with pytest.raises(ValueError, match="rows"):
         native.pack_blocks(lib, [(p.kind, p.qs, p.d, p.m) for p in layer.parts], weight.shape[0] + 1, 256)
+
+
+def test_with_vnni_a_projection_keeps_only_its_blocks() -> None:
+    """With AVX-512 VNNI every product runs on the blocks: by default a projection keeps neither GEMM panels nor
+    its fp32 weight, even when given one. Batches past the block kernels take the int16 GEMM, as with panels;
+    `weight` dequantizes the blocks; `pack_panels` brings the fp32 GEMM back. Without VNNI the panels are kept."""
+    layer, exact = mixed_projection()
+    bare = BlockLinear(layer.parts, exact)
+    if not bare.int16_gemm:
+        assert bare.panels is not None and torch.equal(bare.panels, layer.panels)
+        return
+    assert bare.panels is None and bare.dense is None
+    assert torch.equal(bare.weight, exact)
+    for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(bare(x), layer(x))
+        bound = 3e-5 * (x.abs() @ exact.abs().t()) + 1e-6
+        assert ((bare(x) - F.linear(x, exact)).abs() <= bound).all()
+    bare.pack_panels()
+    bare.int16_gemm = False
+    assert torch.equal(bare.panels, layer.panels) and torch.equal(bare(x), F.linear(x, exact))
 
 
 def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
