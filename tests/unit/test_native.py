@@ -425,3 +425,35 @@ def test_decode_attention_kernels_agree(kv_dtype: str, lib: ctypes.CDLL, avx2: c
                 native.decode_attention(kernels, q, out, rows, torch.tensor(lens), tables, rows, k, v, k_scales,
                                         v_scales, 1 / math.sqrt(head_dim), window)
                 torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(5, 5, 4, 2, 16, None), (40, 40, 3, 1, 32, None), (70, 100, 4, 2, 64, None),
+                                   (130, 130, 9, 3, 64, None), (100, 150, 4, 4, 48, 20), (33, 33, 2, 1, 64, 7),
+                                   (1, 45, 2, 2, 32, None)],
+                         ids=lambda s: "T{}-S{}-H{}-KV{}-D{}-window{}".format(*s))
+def test_prefill_attention_matches_a_float64_softmax(shape: tuple, lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+    """Causal flash attention of T new queries (the last T of S positions) with AVX-512: queries past whole tasks
+    of 64 and tiles of 8, keys past whole steps of 32, GQA, a sliding window, a chunk after earlier context; within
+    fp32 rounding of a float64 softmax. Without AVX-512, or for head sizes that are not a multiple of 16, it
+    declines (None), and torch's SDPA runs."""
+    T, S, heads, kv_heads, head_dim, window = shape
+    gen = torch.Generator().manual_seed(T * S)
+    q, k, v = (torch.randn(n, h, head_dim, generator=gen) for n, h in ((T, heads), (S, kv_heads), (S, kv_heads)))
+    scale = 1 / math.sqrt(head_dim)
+    expected = torch.empty(T, heads, head_dim, dtype=torch.float64)
+    for t in range(T):
+        pos = S - T + t
+        lo = 0 if window is None else max(0, pos - window + 1)
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            weights = (k[lo:pos + 1, g].double() @ q[t, h].double() * scale).softmax(0)
+            expected[t, h] = weights @ v[lo:pos + 1, g].double()
+    assert native.prefill_attention(avx2, q, k, v, scale, window) is None
+    assert native.prefill_attention(lib, q[..., :8], k[..., :8], v[..., :8], scale, window) is None
+    out = native.prefill_attention(lib, q, k, v, scale, window)
+    if not lib.nt_has_vnni512():
+        assert out is None
+        return
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    strided = native.prefill_attention(lib, q.transpose(0, 1).contiguous().transpose(0, 1), k, v, scale, window)
+    assert torch.equal(strided, out)

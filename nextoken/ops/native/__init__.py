@@ -284,6 +284,27 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows:
         raise ValueError("decode_attention: int8 caches need a head size that is a multiple of 32, or out of memory")
 
 
+_SIGNATURES["nt_prefill_attention"] = (_i32, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _i32])
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      window: int | None) -> torch.Tensor | None:
+    """Causal attention of one sequence's new queries q [T, heads, head_dim] over its keys and values k, v [S,
+    kv_heads, head_dim] (fp32; the queries are the last T positions), optionally within a sliding window: the
+    output [T, heads, head_dim], or None where the kernel does not apply (no AVX-512, head_dim not a multiple of
+    16), for torch's SDPA to take over."""
+    T, heads, head_dim = q.shape
+    S, kv_heads = k.shape[0], k.shape[1]
+    if not lib.nt_has_vnni512() or head_dim % 16 or T > S or heads % kv_heads:
+        return None
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out = torch.empty(q.shape, dtype=torch.float32)
+    if lib.nt_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), T, S, heads, kv_heads,
+                                head_dim, scale, window or 0, torch.get_num_threads()):
+        return None
+    return out
+
+
 class Part(ctypes.Structure):
     """Rows of a projection in one block format (nt_part)."""
 

@@ -1821,3 +1821,147 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         norm_rows(x, NULL, final_norm, x, M, layers[num_layers - 1].hidden, final_eps, threads);
     return status ? -1 : 0;
 }
+
+/* ------------------------------------------------------ prefill attention */
+
+#ifdef NT_VNNI512
+#define PF_ROWS 64 /* query positions of one task (one query head) */
+#define PF_KEYS 32 /* keys of a step: two vectors of scores per query */
+#define PF_TILE 8  /* queries whose scores are accumulated together */
+
+static inline __m512 exp512_ps(__m512 x) {
+    const __m256 lo = exp_ps(_mm512_castps512_ps256(x));
+    const __m256 hi = exp_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+}
+
+/* One task of nt_prefill_attention: query head h, queries [t0, t1), as flash attention does it: keys PF_KEYS at
+ * a time, each query's running maximum m, sum l and unnormalized output o (scratch) rescaled as the maximum
+ * grows. Scores of PF_TILE queries against PF_KEYS keys come from K transposed (kt [D][S] of this kv head): a key
+ * vector against each query's value broadcast, D multiply-adds per 16 scores. */
+static void prefill_task(const float *q, const float *kt, const float *v, float *out, int64_t t0, int64_t t1,
+                         int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t h, float scale,
+                         int64_t window, float *o, float *m, float *l) {
+    const int64_t g = h / (H / KVH), n = t1 - t0, shift = S - T; /* query t sits at position shift + t */
+    const int64_t last = shift + t1 - 1, first = window > 0 && shift + t0 - window + 1 > 0 ? shift + t0 - window + 1 : 0;
+    for (int64_t r = 0; r < n; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    memset(o, 0, (size_t)(n * D) * sizeof(float));
+    float p[PF_KEYS];
+    for (int64_t j0 = first / 16 * 16; j0 <= last; j0 += PF_KEYS) {
+        for (int64_t r0 = 0; r0 < n; r0 += PF_TILE) {
+            const int64_t nr = n - r0 < PF_TILE ? n - r0 : PF_TILE;
+            if (shift + t0 + r0 + nr - 1 < j0) continue; /* these queries precede every key here */
+            __m512 acc[PF_TILE][2];
+            for (int r = 0; r < PF_TILE; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            const float *qrow[PF_TILE]; /* past the last query: its row again (scores unused) */
+            for (int r = 0; r < PF_TILE; r++) qrow[r] = q + ((t0 + r0 + (r < nr ? r : nr - 1)) * H + h) * D;
+            const __mmask16 in0 = j0 + 16 <= S ? 0xFFFF : (__mmask16)((1u << (S - j0 > 0 ? S - j0 : 0)) - 1u);
+            const __mmask16 in1 = j0 + 32 <= S ? 0xFFFF : (__mmask16)((1u << (S - j0 - 16 > 0 ? S - j0 - 16 : 0)) - 1u);
+            for (int64_t d = 0; d < D; d++) {
+                const __m512 k0 = _mm512_maskz_loadu_ps(in0, kt + d * S + j0);
+                const __m512 k1 = _mm512_maskz_loadu_ps(in1, kt + d * S + j0 + 16);
+                for (int r = 0; r < PF_TILE; r++) {
+                    const __m512 qv = _mm512_set1_ps(qrow[r][d]);
+                    acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
+                    acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+                }
+            }
+            float sc[PF_TILE][PF_KEYS]; /* out of the registers (indexing acc by a variable row would spill it) */
+            for (int r = 0; r < PF_TILE; r++) _mm512_storeu_ps(sc[r], acc[r][0]), _mm512_storeu_ps(sc[r] + 16, acc[r][1]);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t row = r0 + r, pos = shift + t0 + row;
+                const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+                /* keys lo..pos of this query among j0..j0 + 31 */
+                const int64_t a = lo > j0 ? lo - j0 : 0, b = pos - j0 + 1 < PF_KEYS ? pos - j0 + 1 : PF_KEYS;
+                if (b <= a) continue;
+                const uint32_t bits = (b - a >= 32 ? 0xFFFFFFFFu : ((1u << (b - a)) - 1u)) << a;
+                const __mmask16 mk0 = (__mmask16)(bits & 0xFFFF), mk1 = (__mmask16)(bits >> 16);
+                const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sc[r]), _mm512_set1_ps(scale));
+                const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(sc[r] + 16), _mm512_set1_ps(scale));
+                const __m512 ninf = _mm512_set1_ps(-INFINITY);
+                const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(mk0, ninf, s0),
+                                                                     _mm512_mask_blend_ps(mk1, ninf, s1)));
+                const float mnew = top > m[row] ? top : m[row];
+                const float alpha = expf(m[row] - mnew); /* 0 on the first keys (m = -inf) */
+                const __m512 mv = _mm512_set1_ps(mnew);
+                const __m512 e0 = _mm512_maskz_mov_ps(mk0, exp512_ps(_mm512_sub_ps(s0, mv)));
+                const __m512 e1 = _mm512_maskz_mov_ps(mk1, exp512_ps(_mm512_sub_ps(s1, mv)));
+                l[row] = l[row] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+                m[row] = mnew;
+                _mm512_storeu_ps(p, e0), _mm512_storeu_ps(p + 16, e1);
+                float *orow = o + row * D;
+                const __m512 av = _mm512_set1_ps(alpha);
+                for (int64_t d = 0; d < D; d += 64) { /* up to 4 vectors of outputs, two sets of accumulators */
+                    const int nv = D - d >= 64 ? 4 : (int)((D - d) / 16);
+                    __m512 x[4], y[4];
+                    for (int c = 0; c < nv; c++) x[c] = _mm512_mul_ps(av, _mm512_loadu_ps(orow + d + 16 * c)), y[c] = _mm512_setzero_ps();
+                    int64_t j = a;
+                    for (; j + 2 <= b; j += 2) {
+                        const __m512 w0 = _mm512_set1_ps(p[j]), w1 = _mm512_set1_ps(p[j + 1]);
+                        const float *v0 = v + ((j0 + j) * KVH + g) * D + d, *v1 = v0 + KVH * D;
+                        for (int c = 0; c < nv; c++) {
+                            x[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), x[c]);
+                            y[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * c), y[c]);
+                        }
+                    }
+                    if (j < b) {
+                        const __m512 w0 = _mm512_set1_ps(p[j]);
+                        const float *v0 = v + ((j0 + j) * KVH + g) * D + d;
+                        for (int c = 0; c < nv; c++) x[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), x[c]);
+                    }
+                    for (int c = 0; c < nv; c++) _mm512_storeu_ps(orow + d + 16 * c, _mm512_add_ps(x[c], y[c]));
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < n; r++) {
+        const float inv = 1.0f / l[r];
+        float *dst = out + ((t0 + r) * H + h) * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = o[r * D + d] * inv;
+    }
+}
+#endif
+
+/* Attention of T new queries over S >= T keys of one sequence, the queries the last T positions: out[t, h] =
+ * softmax_j(scale * q[t, h] . k[j, g]) v[j, g] over keys j in [max(0, p - window + 1), p], p = S - T + t, g = h /
+ * (H / KVH) (window 0: none). q, out [T, H, D], k, v [S, KVH, D], fp32, contiguous. Needs AVX-512 and D a
+ * multiple of 16; returns -1 otherwise or without memory (the caller's SDPA then runs). Tasks (a query head and
+ * up to PF_ROWS queries) go to the threads longest first. */
+int nt_prefill_attention(const float *q, const float *k, const float *v, float *out, int64_t T, int64_t S, int64_t H,
+                         int64_t KVH, int64_t D, float scale, int64_t window, int threads) {
+#ifdef NT_VNNI512
+    if (D % 16 || T > S || H % KVH) return -1;
+    float *kt = malloc((size_t)(KVH * D * S) * sizeof(float)); /* K transposed per kv head: [KVH][D][S] */
+    if (!kt) return -1;
+#pragma omp parallel for num_threads(threads) if (threads > 1 && S * KVH * D > 65536)
+    for (int64_t gd = 0; gd < KVH * D; gd++) {
+        const int64_t g = gd / D, d = gd % D;
+        for (int64_t j = 0; j < S; j++) kt[gd * S + j] = k[(j * KVH + g) * D + d];
+    }
+    const int64_t blocks = (T + PF_ROWS - 1) / PF_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks * H > 1)
+    {
+        float *scratch = malloc((size_t)(PF_ROWS * D + 2 * PF_ROWS) * sizeof(float));
+        if (!scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < blocks * H; task++) {
+            if (!scratch) continue;
+            const int64_t b = blocks - 1 - task / H, h = task % H; /* the last queries see the most keys */
+            const int64_t t0 = b * PF_ROWS, t1 = t0 + PF_ROWS < T ? t0 + PF_ROWS : T;
+            prefill_task(q, kt + (h / (H / KVH)) * D * S, v, out, t0, t1, T, S, H, KVH, D, h, scale, window,
+                         scratch, scratch + PF_ROWS * D, scratch + PF_ROWS * D + PF_ROWS);
+        }
+        free(scratch);
+    }
+    free(kt);
+    return failed ? -1 : 0;
+#else
+    (void)q, (void)k, (void)v, (void)out, (void)T, (void)S, (void)H, (void)KVH, (void)D, (void)scale, (void)window,
+        (void)threads;
+    return -1;
+#endif
+}
