@@ -1395,9 +1395,13 @@ static void attend16(const float *q, float *out, float *max, float *sum, int64_t
                      float scale, float *scores, float *row, const int64_t *at) {
     const float *rows[ATT16];
     const __m512 sv = _mm512_set1_ps(scale);
+    /* A short context's values are requested during the keys' pass, so that they are on their way when it ends
+     * (64 contexts of 192 tokens: 6% faster); a long one's would leave L2 before their pass. */
+    const int early_values = count * width * (ks->kind == 0 ? 4 : ks->kind == 1 ? 2 : 1) <= (256 << 10);
     for (int64_t j0 = 0; j0 < count; j0 += ATT16) {
         const int64_t ng = count - j0 < ATT16 ? count - j0 : ATT16;
         prefetch_tokens(ks, at, j0 + ATT16, j0 + 2 * ATT16, count, D, width);
+        if (early_values) prefetch_tokens(vs, at, j0, j0 + ATT16, count, D, width);
         for (int64_t i = 0; i < ng; i++) rows[i] = token_kv(ks, at[j0 + i] * D, width, row + i * width);
         for (int64_t i = ng; i < ATT16; i++) rows[i] = rows[0]; /* a last partial group: scores unused */
         for (int64_t h = 0; h < heads; h++) {
