@@ -8,7 +8,7 @@ AVX2" is transformers 5.23 on that machine the same day, measured as ANCHORS.md 
 SDPA, a greedy loop with its KV cache, 2 threads; prefill and batch 1 medians of 3, batched figures one run of
 B x (128 prompt + 128 new) tokens). Benchmarks print our figure beside them and the ratio; compare with the rows
 measured on the machine you run on. Better still, latency.py and throughput.py take --transformers PYTHON (a Python
-with transformers and gguf) and --llama-bench PATH, and measure those baselines in the same run.
+with transformers, gguf and accelerate) and --llama-bench PATH, and measure those baselines in the same run.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def versus(value: float, anchors: dict[str, float], higher_is_better: bool = Tru
 
 def transformers_baseline(python: str, model: str, threads: int, dtypes: tuple[str, ...] = ("fp32", "bf16"),
                           batch: int = 0, batch_steps: int = 128) -> dict[str, dict[str, float]]:
-    """transformers on the same GGUF file, run by `python` (which has transformers and gguf) through
+    """transformers on the same GGUF file, run by `python` (which has transformers, gguf and accelerate) through
     transformers_baseline.py: per dtype, load_s, prefill_512, decode_1 and, with `batch`, decode_<batch> (tok/s)."""
     script = Path(__file__).with_name("transformers_baseline.py")
     command = [python, str(script), str(resolve_model(model)), "--threads", str(threads), "--dtypes", *dtypes,

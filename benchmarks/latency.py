@@ -11,7 +11,7 @@ binary the user built), llama.cpp runs on the same GGUF file in the same run (`-
 count) and the ratios to it are printed too. Then each KV cache format with the default weights: decode tok/s over
 the same 512-token context, and how many tokens a 1 GiB pool holds. With --turns N, only the default formats and
 llama.cpp, taking turns N times (see head_to_head): the ratio to use on a machine whose speed drifts. With
---transformers (a Python that has transformers and gguf), transformers fp32 and bf16 run on the same file in the same
+--transformers (a Python that has transformers, gguf and accelerate), transformers fp32 and bf16 run on the same file in the same
 run too (benchmarks/transformers_baseline.py) and the ratios to them are printed.
 """
 
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=0,
                         help="with --llama-bench: only the default formats and llama.cpp taking turns, N rounds")
     parser.add_argument("--transformers", metavar="PYTHON",
-                        help="a Python with transformers and gguf: run transformers on the same file in this run")
+                        help="a Python with transformers, gguf and accelerate: run transformers on the same file in this run")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
     if args.turns:

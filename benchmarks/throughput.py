@@ -15,7 +15,7 @@ output tokens/s over the wall time; the decode-phase rate (output tokens drawn a
 request its first token, over the time since: the figure the anchors measure); time to first token p50/p99 (from
 when the request was added: all at once when batched, so it includes queueing); time per output token p50/p99. The
 anchors' aggregate-decode figures (ANCHORS.md) are printed beside the batched decode rate with ratios; with
---transformers PYTHON (a Python that has transformers and gguf), so is transformers' batched decode on the same file,
+--transformers PYTHON (a Python that has transformers, gguf and accelerate), so is transformers' batched decode on the same file,
 measured in the same run (benchmarks/transformers_baseline.py).
 JSON: benchmarks/results/throughput.json (one entry per model/dtype/workload size, earlier entries kept).
 """
@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-mib", type=int, default=768)
     parser.add_argument("--transformers", metavar="PYTHON",
-                        help="a Python with transformers and gguf: its batched decode (bf16 and fp32, as many "
+                        help="a Python with transformers, gguf and accelerate: its batched decode (bf16 and fp32, as many "
                              "sequences x 128 prompt + the output tokens) on the same file in this run")
     args = parser.parse_args()
     num = args.num_requests or (16 if args.quick else 64)

@@ -1,7 +1,8 @@
 """transformers on a GGUF file, measured the way ANCHORS.md describes: the baseline that latency.py and throughput.py
 run beside nextoken (their --transformers PYTHON option) instead of quoting figures taken on another machine.
 
-Run with a Python that has torch, transformers and gguf (nextoken's own environment does not need them):
+Run with a Python that has torch, transformers, gguf and accelerate (transformers loads GGUF files only with it;
+nextoken's own environment does not need them):
     PYTHON benchmarks/transformers_baseline.py MODEL.gguf [--dtypes fp32 bf16] [--prefill 512] [--decode 128]
         [--batch 64] [--batch-steps 128] [--threads N]
 
