@@ -31,6 +31,8 @@ from transformers import AutoModelForCausalLM
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+# This script runs under another Python, which need not have nextoken's dependencies: it imports nothing from
+# nextoken or benchmarks.common, and so keeps its own timing helper (common.median_time's warm-up and median).
 def _median_time(fn, repeats: int = 3) -> float:
     fn()
     times = []

@@ -7,9 +7,9 @@ model has them, rotary embedding, the K/V write into the paged cache, attention 
 output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
-`GEMM_MIN_ROWS` rows on they are bound by compute, where a GEMM is faster: with AVX-512 VNNI the int16 GEMM over
-the blocks (from `INT16_GEMM_MIN_ROWS` rows), else the native fp32 GEMM over each projection's packed panels (the
-ones its module uses for prefill); the step stays one native call either way.
+`GEMM_MIN_ROWS` rows on they are bound by compute, where a GEMM is faster: the native fp32 GEMM over each
+projection's packed panels (the ones its module uses for prefill), or with AVX-512 VNNI, where projections keep no
+panels, the int16 GEMM over the blocks; the step stays one native call either way.
 
 It is only a faster route through the same model: the modules stay the definition (prefill, GPUs and traced runs
 use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies
@@ -27,7 +27,7 @@ import torch
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import INT16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, BlockLinear
+from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
@@ -75,7 +75,6 @@ class FusedDecoder:
         self.final_norm = (model.norm.weight, model.norm.eps)  # applied in the same native call
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
         self.gemm_rows = GEMM_MIN_ROWS
-        self.int16_rows = INT16_GEMM_MIN_ROWS  # with AVX-512 VNNI: from here the int16 GEMM over the blocks
         self._scratch = torch.empty(0)
 
     @classmethod
@@ -125,6 +124,6 @@ class FusedDecoder:
         recording = torch.autograd.profiler._is_profiler_enabled
         with torch.profiler.record_function("nextoken::decode_layers") if recording else contextlib.nullcontext():
             native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
-                                 self.layers, caches, rope_tables, self._scratch, self.gemm_rows, self.int16_rows,
+                                 self.layers, caches, rope_tables, self._scratch, self.gemm_rows,
                                  self.final_norm)
         return x

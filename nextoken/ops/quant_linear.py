@@ -38,9 +38,6 @@ NATIVE_MAX_ROWS = 11
 # 64 rows 29.2 vs 23.8) and keeps no fp32 copy.
 HEAD_NATIVE_MAX_ROWS = 128
 HEAD_GEMM_ROWS = 16
-# With AVX-512 VNNI, batches of this many rows or more take the int16 GEMM over the blocks rather than the fp32
-# GEMM over the panels: every batch past the block kernels' (measured beside block_igemm in kernels.c).
-INT16_GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
@@ -121,9 +118,9 @@ def block_only_types(quant: str | None) -> tuple[GGMLQuantizationType, ...]:
 
 class BlockLinear(nn.Module):
     """A projection held as block-quantized parts (stacked output rows, each in its own format). Up to `max_rows`
-    rows take the block kernels; larger batches, with the native kernels, the int16 GEMM over the blocks where the
-    CPU has AVX-512 VNNI, else an fp32 GEMM over `panels` (the weight packed in 16-column panels), and without them
-    torch's GEMM over the dense `dense`.
+    rows take the block kernels; larger batches, with the native kernels, an fp32 GEMM over `panels` (the weight
+    packed in 16-column panels) where the projection keeps them, else the GEMM over the blocks (int16 with AVX-512
+    VNNI, where no panels are kept by default), and without the native kernels torch's GEMM over `dense`.
 
     `dense` is the fp32 weight [out, in]; None where the parts hold the weight exactly (the file's own blocks, see
     EXACT_PANEL_TYPES): the native kernels then dequantize the panels straight from them, and no fp32 copy of the
@@ -140,15 +137,15 @@ class BlockLinear(nn.Module):
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
         self.lib = native.library()
-        # With AVX-512 VNNI, batches of INT16_GEMM_MIN_ROWS or more take the int16 GEMM over the blocks
-        # (nt_block_gemm) instead of the panels' fp32 one.
-        self.int16_gemm = self.lib is not None and bool(self.lib.nt_has_vnni512())
+        # With AVX-512 VNNI the int16 GEMM over the blocks (nt_block_gemm) beats the fp32 one over panels for
+        # every batch past the block kernels (measured beside block_igemm in kernels.c): no panels are kept.
+        vnni = self.lib is not None and bool(self.lib.nt_has_vnni512())
         packed = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = NATIVE_MAX_ROWS
-            if panels or (panels is None and not self.int16_gemm):
+            if panels or (panels is None and not vnni):
                 packed = self._blocks_panels() if dense is None else native.pack(self.lib, dense)
             dense = None
         elif all(p.kind == Q4 for p in self.parts):  # torch's int4 kernel (bf16 activations)
@@ -172,7 +169,7 @@ class BlockLinear(nn.Module):
 
     def pack_panels(self) -> None:
         """Keep the fp32 GEMM's panels (dequantized from the blocks) where there are none, as CPUs without AVX-512
-        VNNI do: their GEMM then serves batches past the block kernels unless `int16_gemm` is set."""
+        VNNI do: their GEMM then serves batches past the block kernels."""
         if self.lib is not None and self.panels is None:
             self.panels = self._blocks_panels()
 
@@ -203,7 +200,7 @@ class BlockLinear(nn.Module):
             return out.to(x.dtype)
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if gemm and self.panels is not None and (not self.int16_gemm or x.shape[0] < INT16_GEMM_MIN_ROWS):
+        if gemm and self.panels is not None:
             native.sgemm(self.lib, x, self.panels, self.out_features, out)
             return out
         at = 0

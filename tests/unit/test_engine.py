@@ -17,7 +17,7 @@ from nextoken.engine import engine as engine_module
 from nextoken.config import EngineConfig
 from nextoken.errors import ModelLoadError, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
-from nextoken.ops import quant_linear
+from nextoken.ops import native
 from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
 from tests.tiny import write_tiny_model
 
@@ -251,18 +251,16 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
 
 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
-def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
     """Projections stored in blocks that are exactly their weights load without being dequantized (their GEMM
-    panels come from the blocks): the prefill logits equal those of the same file loaded in fp32 (with the panels'
-    GEMM, which AVX-512 VNNI would otherwise leave for the int16 one)."""
-    monkeypatch.setattr(quant_linear, "INT16_GEMM_MIN_ROWS", 1 << 30)
+    panels come from the blocks, packed here where AVX-512 VNNI needs none): the prefill logits equal those of the
+    same file loaded in fp32."""
     path = write_tiny_model(tmp_path / "blocks.gguf", "llama", projections=qtype)
     blocks = LLM(str(path), device="cpu", weights="int4", lm_head="fp32", kv_cache_bytes=8 << 20)  # one head for both
     dense = LLM(str(path), device="cpu", weights="fp32", kv_cache_bytes=8 << 20)
     projection = blocks.engine.runner.model.layers[0].attn.qkv_proj
     assert isinstance(projection, BlockLinear) and projection.dense is None
-    assert (projection.panels is None) == projection.int16_gemm  # with AVX-512 VNNI: no panels either
+    assert (projection.panels is None) == bool(native.library().nt_has_vnni512())  # with VNNI no panels either
     for module in blocks.engine.runner.model.modules():
         if isinstance(module, BlockLinear):
             module.pack_panels()

@@ -22,8 +22,8 @@ from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockLinear, q4_weight, q8_codes,
-                                        q8_weight, regroup, unpack_nibbles)
+from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockLinear, BlockWeight, q4_weight,
+                                        q8_codes, q8_weight, regroup, unpack_nibbles)
 
 PORTABLE_FLAGS = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx2", "-mno-fma", "-mno-f16c"]
 AVX2_FLAGS = [*native.FLAGS, "-mno-avx512f"]  # the host's build without AVX-512: the int16 route for every product
@@ -47,6 +47,17 @@ def avx2(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return native.load(native.build(flags=AVX2_FLAGS, cache_dir=tmp_path_factory.mktemp("native")))
 
 
+def dequantized(part: BlockWeight) -> torch.Tensor:
+    """The fp32 weight [rows, cols] a block part holds: codes times their scale (per 32, or per 16 for Q8 in
+    halves), plus Q4's offset."""
+    unpacked = unpack_nibbles(part.qs).float() if part.kind == Q4 else part.qs.float()
+    size = 16 if part.kind == Q8_HALVES else 32
+    w = (unpacked.unflatten(1, (-1, size)) * part.d.float().unsqueeze(-1)).flatten(1)
+    if part.m is not None:
+        w += part.m.float().repeat_interleave(32, dim=1)
+    return w
+
+
 def test_one_row_q4_products_by_byte_multiply_adds(lib: ctypes.CDLL, avx2: ctypes.CDLL,
                                                    portable: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, one activation row meets Q4 weights through byte multiply-adds on the int16 codes split
@@ -61,8 +72,7 @@ def test_one_row_q4_products_by_byte_multiply_adds(lib: ctypes.CDLL, avx2: ctype
         w = torch.randn(n, k, generator=gen)
         w[0, :32] = 0  # a block whose scale is zero
         part = q4_weight(*regroup(w))
-        dense = (unpack_nibbles(part.qs).float().unflatten(1, (-1, 32)) * part.d.float().unsqueeze(-1)).flatten(1)
-        dense += part.m.float().repeat_interleave(32, dim=1)
+        dense = dequantized(part)
         x = torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4
         x[0, 32:64] = 0  # an activation block of zeros (its scale is zero)
         expected = (x.double() @ dense.double().t()).float()
@@ -153,11 +163,7 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
              q8_weight(*q8_codes(None, None, torch.randn(21, 96, generator=gen))),
              q8_weight(torch.randint(-32, 32, (7, 96), generator=gen, dtype=torch.int8), torch.rand(7, 6) / 10)]
     for part in parts:
-        unpacked = unpack_nibbles(part.qs).float() if part.kind == Q4 else part.qs.float()
-        size = 16 if part.kind == Q8_HALVES else 32
-        w = (unpacked.unflatten(1, (-1, size)) * part.d.float().unsqueeze(-1)).flatten(1)
-        if part.m is not None:
-            w += part.m.float().repeat_interleave(32, dim=1)
+        w = dequantized(part)
         for rows in (1, 7, 12):
             x = torch.randn(rows, 96, generator=gen)
             out = torch.empty(rows, part.rows)
@@ -184,11 +190,7 @@ def test_int16_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> N
                  q8_weight(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
                            torch.rand(n, k // 16, generator=gen) / 10)]
         for part in parts:
-            unpacked = unpack_nibbles(part.qs).float() if part.kind == Q4 else part.qs.float()
-            size = 16 if part.kind == Q8_HALVES else 32
-            w = (unpacked.unflatten(1, (-1, size)) * part.d.float().unsqueeze(-1)).flatten(1)
-            if part.m is not None:
-                w += part.m.float().repeat_interleave(32, dim=1)
+            w = dequantized(part)
             for rows in (1, 5, 6, 13, 40):
                 x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
                 expected = (x.double() @ w.double().t()).float()
@@ -270,11 +272,11 @@ def decode_step(net: torch.nn.Module, cfg: ModelConfig, pool: KVPool, tokens: li
 @torch.inference_mode()
 def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: str, tiny_llama: Path,
                                           tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """products "gemm": the fused step takes the fp32 GEMM over each projection's panels, as it does for batches of
-    GEMM_MIN_ROWS rows or more (here from one row on), and so do the modules. The blocks are zeroed then, so a
-    product that took them instead would show (the tiny files are float: their 4-bit blocks are a requantization).
-    "int16": with AVX-512 VNNI, the int16 GEMM over the blocks, as from INT16_GEMM_MIN_ROWS rows (here from one row
-    on), in the step and the modules; the panels are zeroed then."""
+    """products "gemm": the fused step takes the fp32 GEMM over each projection's panels (packed here where AVX-512
+    VNNI left none), as it does for batches of GEMM_MIN_ROWS rows or more (here from one row on), and so do the
+    modules. The blocks are zeroed then, so a product that took them instead would show (the tiny files are float:
+    their 4-bit blocks are a requantization). "int16": with AVX-512 VNNI and no panels, the int16 GEMM over the
+    blocks, from one row on, in the step and the modules."""
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
     net = load_model(gguf, cfg, quant="int4", quantize_head=True)
@@ -282,22 +284,17 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
     if products == "int16" and not native.library().nt_has_vnni512():
         pytest.skip("this CPU has no AVX-512 VNNI: no int16 GEMM")
     if products != "blocks":
-        net.fused.gemm_rows = net.fused.int16_rows = 1
-        monkeypatch.setattr(quant_linear, "INT16_GEMM_MIN_ROWS", 1 if products == "int16" else 1 << 30)
         for module in net.modules():
             if isinstance(module, BlockLinear):
                 module.max_rows = 0
                 if products == "int16":
-                    if module.panels is not None:
-                        module.panels.zero_()
+                    assert module.panels is None
                 else:
                     module.pack_panels()  # with VNNI there are none
-                    module.int16_gemm = False
                     for part in module.parts:
                         part.d.zero_()
-        if products == "gemm":
-            net.fused = FusedDecoder.build(net)  # with the panels
-            net.fused.gemm_rows, net.fused.int16_rows = 1, 1 << 30
+        net.fused = FusedDecoder.build(net)  # its matrices with the panels, if any
+        net.fused.gemm_rows = 1
     runs = []
     real = FusedDecoder.__call__
     monkeypatch.setattr(FusedDecoder, "__call__", lambda self, *args: runs.append(1) or real(self, *args))
@@ -369,7 +366,7 @@ def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctype
         monkeypatch.setattr(native, "library", lambda kernels=kernels: kernels)
         vnni = bool(kernels.nt_has_vnni512())
         layer = BlockLinear(parts, weight)
-        assert layer.int16_gemm == vnni and (layer.panels is None) == vnni and layer.dense is None
+        assert (layer.panels is None) == vnni and layer.dense is None
         assert (GGMLQuantizationType.Q4_K in quant_linear.block_only_types("int4")) == vnni
         assert GGMLQuantizationType.Q4_K not in quant_linear.block_only_types("int8")
         x = torch.randn(NATIVE_MAX_ROWS + 5, 64, generator=gen)

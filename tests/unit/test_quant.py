@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from nextoken.loader.dequant import dequantize
 from nextoken.ops import native
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, INT16_GEMM_MIN_ROWS, NATIVE_MAX_ROWS, Q4, Q8,
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q8,
                                         Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes,
                                         q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup,
                                         unpack_nibbles)
@@ -158,22 +158,22 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
 
 def test_with_vnni_a_projection_keeps_only_its_blocks() -> None:
     """With AVX-512 VNNI every product runs on the blocks: by default a projection keeps neither GEMM panels nor
-    its fp32 weight, even when given one. Batches past the block kernels take the int16 GEMM, as with panels;
-    `weight` dequantizes the blocks; `pack_panels` brings the fp32 GEMM back. Without VNNI the panels are kept."""
-    layer, exact = mixed_projection()
+    its fp32 weight, even when given one. Batches past the block kernels take the int16 GEMM over the blocks;
+    `weight` dequantizes them; `pack_panels` brings the fp32 GEMM back. Without VNNI the panels are kept."""
+    layer, exact = mixed_projection()  # with panels
     bare = BlockLinear(layer.parts, exact)
-    if not bare.int16_gemm:
+    if not native.library().nt_has_vnni512():
         assert bare.panels is not None and torch.equal(bare.panels, layer.panels)
         return
     assert bare.panels is None and bare.dense is None
     assert torch.equal(bare.weight, exact)
     for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
-        assert torch.equal(bare(x), layer(x))
         bound = 3e-5 * (x.abs() @ exact.abs().t()) + 1e-6
         assert ((bare(x) - F.linear(x, exact)).abs() <= bound).all()
+        # the block kernels either way; past them int16 codes against the panels' fp32 products
+        assert torch.equal(bare(x), layer(x)) == (rows <= NATIVE_MAX_ROWS)
     bare.pack_panels()
-    bare.int16_gemm = False
     assert torch.equal(bare.panels, layer.panels) and torch.equal(bare(x), F.linear(x, exact))
 
 
@@ -185,22 +185,17 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
 
 
 def test_block_linear_takes_a_gemm_for_large_batches() -> None:
-    """More than NATIVE_MAX_ROWS rows: the fp32 GEMM over the panels (the dense weight's products exactly) or, with
-    AVX-512 VNNI from INT16_GEMM_MIN_ROWS rows, the int16 GEMM over the blocks (within the activations' int16
-    rounding, like the block kernels)."""
-    assert INT16_GEMM_MIN_ROWS > NATIVE_MAX_ROWS
+    """More than NATIVE_MAX_ROWS rows: the fp32 GEMM over the panels where the projection keeps them (the dense
+    weight's products exactly), else the GEMM over the blocks (with AVX-512 VNNI int16 activation codes: within
+    their rounding, like the block kernels; without, fp32 over rows dequantized from the blocks)."""
     layer, dense = mixed_projection()
-    vnni = layer.int16_gemm
-    for rows in (NATIVE_MAX_ROWS + 1, INT16_GEMM_MIN_ROWS, 96):
-        x = torch.randn(rows, 96)
-        expected = F.linear(x, dense)
-        layer.int16_gemm = vnni
-        if vnni and rows >= INT16_GEMM_MIN_ROWS:
-            bound = 3e-5 * (x.abs() @ dense.abs().t()) + 1e-6
-            assert ((layer(x) - expected).abs() <= bound).all()
-            assert not torch.equal(layer(x), expected)  # not the panels' fp32 products
-            layer.int16_gemm = False
-        assert torch.equal(layer(x), expected)
+    xs = [torch.randn(rows, 96) for rows in (NATIVE_MAX_ROWS + 1, 96)]
+    for x in xs:
+        assert torch.equal(layer(x), F.linear(x, dense))
+    layer.panels = None
+    for x in xs:
+        bound = 3e-5 * (x.abs() @ dense.abs().t()) + 1e-6
+        assert ((layer(x) - F.linear(x, dense)).abs() <= bound).all()
 
 
 def test_block_linear_falls_back_to_torch_int4(monkeypatch: pytest.MonkeyPatch) -> None:

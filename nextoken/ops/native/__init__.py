@@ -340,7 +340,7 @@ class Cache(ctypes.Structure):
 
 _SIGNATURES["nt_decode_scratch"] = (_i64, [_ptr, _i64, _i64])
 _SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
-                                          _i64, _i64, _ptr, _f32, _i32])
+                                          _i64, _ptr, _f32, _i32])
 
 
 def cache_struct(k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,
@@ -356,19 +356,19 @@ def decode_scratch(lib: ctypes.CDLL, layers: ctypes.Array, rows: int) -> int:
 
 def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
-                  rope_tables: ctypes.Array, scratch: torch.Tensor, gemm_rows: int, int16_rows: int,
+                  rope_tables: ctypes.Array, scratch: torch.Tensor, gemm_rows: int,
                   final_norm: tuple[torch.Tensor, float] | None = None) -> None:
     """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers);
-    scratch: fp32 of at least `decode_scratch` elements; products of `gemm_rows` rows or more take a GEMM: with
-    AVX-512 VNNI from `int16_rows` rows the int16 one over the blocks, else the fp32 one over each projection's
-    panels (where its Matrix has them); final_norm: (weight, eps) of an RMSNorm applied to x last."""
+    scratch: fp32 of at least `decode_scratch` elements; products of `gemm_rows` rows or more take a GEMM: the fp32 one
+    over a projection's panels where its Matrix has them, else the one over its blocks (int16 with AVX-512 VNNI);
+    final_norm: (weight, eps) of an RMSNorm applied to x last."""
     positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
     if scratch.dtype != torch.float32 or scratch.numel() < decode_scratch(lib, layers, x.shape[0]):
         raise ValueError("decode_layers: scratch is not fp32 or too small")
     status = lib.nt_decode_layers(x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
                                   seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), ctypes.addressof(layers),
                                   ctypes.addressof(caches), len(layers), ctypes.addressof(rope_tables),
-                                  scratch.data_ptr(), gemm_rows, int16_rows,
+                                  scratch.data_ptr(), gemm_rows,
                                   None if final_norm is None else final_norm[0].data_ptr(),
                                   0.0 if final_norm is None else final_norm[1], torch.get_num_threads())
     if status:

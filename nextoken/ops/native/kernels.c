@@ -853,7 +853,8 @@ int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t
  * their scales as [groups][16]: every row tile of x then runs over them. */
 
 #define IG_ROWS 6 /* activation rows of a tile: 12 int32 and 12 float accumulators, two weight vectors */
-/* A projection takes it rather than the fp32 GEMM over its panels from INT16_GEMM_MIN_ROWS rows (quant_linear.py):
+/* With it, projections keep no fp32 panels (quant_linear.py): it is faster than the fp32 GEMM over them for every
+ * batch past the block kernels.
  * widening the weights, 16 x 16 int32 transposes of the unpacked codes, costs less than the products it saves from
  * 12 rows (SmolLM2's 30 layers' projections, ms, block kernels / fp32 panels / int16: 12 rows 18.4 / 15.8 / 13.2,
  * 32 rows 43.9 / 37.9 / 25.1, 128 rows 168.5 / 142.9 / 83.4, 512 rows 819 / 555 / 337). The LM head has no
@@ -1385,6 +1386,32 @@ static inline __m512 sum16_ps(const __m512 a[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
+/* o[0:D] = alpha o + sum over i in [from, to) of w[i] rows[i][off:off + D] (D a multiple of 16): up to four
+ * vectors of outputs at a time, two positions at a time into two sets of accumulators (the FMAs' latency). */
+static inline void weighted_rows512(float *o, const float *const *rows, int64_t off, const float *w, int64_t from,
+                                    int64_t to, int64_t D, float alpha) {
+    const __m512 av = _mm512_set1_ps(alpha);
+    for (int64_t d = 0; d < D; d += 64) {
+        const int nv = D - d >= 64 ? 4 : (int)((D - d) / 16);
+        __m512 a[4], b[4];
+        for (int c = 0; c < nv; c++) a[c] = _mm512_mul_ps(av, _mm512_loadu_ps(o + d + 16 * c)), b[c] = _mm512_setzero_ps();
+        int64_t i = from;
+        for (; i + 2 <= to; i += 2) {
+            const __m512 w0 = _mm512_set1_ps(w[i]), w1 = _mm512_set1_ps(w[i + 1]);
+            const float *v0 = rows[i] + off + d, *v1 = rows[i + 1] + off + d;
+            for (int c = 0; c < nv; c++) {
+                a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
+                b[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * c), b[c]);
+            }
+        }
+        if (i < to) {
+            const __m512 w0 = _mm512_set1_ps(w[i]);
+            for (int c = 0; c < nv; c++) a[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(rows[i] + off + d + 16 * c), a[c]);
+        }
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + d + 16 * c, _mm512_add_ps(a[c], b[c]));
+    }
+}
+
 /* attend() with AVX-512 for head sizes that are a multiple of 16, 16 positions at a time: each head's 16 scores
  * from 16 accumulators over the head size, summed together (sum16_ps); the values weighted into a head's outputs
  * two positions at a time (two sets of accumulators: FMA latency). The next group's rows are requested while one
@@ -1426,27 +1453,7 @@ static void attend16(const float *q, float *out, float *max, float *sum, int64_t
         for (int64_t h = 0; h < heads; h++) {
             const float *w = scores + h * count + j0;
             const int64_t off = ((h0 + h) / rep) * D;
-            float *o = out + h * D;
-            for (int64_t d = 0; d < D; d += 64) { /* up to 4 vectors of outputs, two sets of accumulators */
-                const int nv = D - d >= 64 ? 4 : (int)((D - d) / 16);
-                __m512 a[4], b[4];
-                for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(o + d + 16 * v), b[v] = _mm512_setzero_ps();
-                int64_t i = 0;
-                for (; i + 2 <= ng; i += 2) {
-                    const __m512 w0 = _mm512_set1_ps(w[i]), w1 = _mm512_set1_ps(w[i + 1]);
-                    const float *v0 = rows[i] + off + d, *v1 = rows[i + 1] + off + d;
-                    for (int v = 0; v < nv; v++) {
-                        a[v] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * v), a[v]);
-                        b[v] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * v), b[v]);
-                    }
-                }
-                if (i < ng) {
-                    const __m512 w0 = _mm512_set1_ps(w[i]);
-                    for (int v = 0; v < nv; v++)
-                        a[v] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(rows[i] + off + d + 16 * v), a[v]);
-                }
-                for (int v = 0; v < nv; v++) _mm512_storeu_ps(o + d + 16 * v, _mm512_add_ps(a[v], b[v]));
-            }
+            weighted_rows512(out + h * D, rows, off, w, 0, ng, D, 1.0f);
         }
     }
 }
@@ -1684,18 +1691,12 @@ typedef struct {
     nt_matrix qkv, o, gate_up, down;
 } nt_layer;
 
-/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, with AVX-512 VNNI the
- * int16 one over the blocks from `int16_rows` rows on, else the fp32 one over the panels,
- * else the block kernels (bound by the bytes of the weight). */
-static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows,
-                  int64_t int16_rows) {
-#ifdef NT_VNNI512
-    const int gemm = M >= gemm_rows && M >= int16_rows; /* the int16 GEMM over the blocks (block_igemm) */
-#else
-    (void)int16_rows;
-    const int gemm = 0;
-#endif
-    if (!gemm && w->panels && M >= gemm_rows) {
+/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the fp32 one over the
+ * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
+ * projections keep no panels); fewer rows take the block kernels (bound by the bytes of the weight). */
+static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
+    const int gemm = M >= gemm_rows;
+    if (gemm && w->panels) {
         nt_sgemm(x, M, w->parts[0].k, w->parts[0].k, w->panels, w->n, out, w->n, threads);
         return 0;
     }
@@ -1772,14 +1773,13 @@ int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M)
 /* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
  * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
  * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least
- * nt_decode_scratch() floats; gemm_rows, int16_rows: from how many rows products take a GEMM, and with AVX-512
- * VNNI the int16 one (see matmul); final_norm:
+ * nt_decode_scratch() floats; gemm_rows: from how many rows products take a GEMM (see matmul); final_norm:
  * the model's last RMSNorm, applied to x in place after the last block (null: none). Returns 0, or -1 when a size is
  * unsupported or memory runs out. */
 int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
                      const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
                      int64_t num_layers, const float *const *rope_tables, float *scratch, int64_t gemm_rows,
-                     int64_t int16_rows, const float *final_norm, float final_eps, int threads) {
+                     const float *final_norm, float final_eps, int threads) {
     const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
     float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
     int status = 0;
@@ -1790,7 +1790,7 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         const int64_t qkv_n = L->qkv.n;
         /* attention */
         norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
-        status |= matmul(&L->qkv, h, M, big, threads, gemm_rows, int16_rows);
+        status |= matmul(&L->qkv, h, M, big, threads, gemm_rows);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
             float *row = big + t * qkv_n; /* q heads, k heads, v heads */
@@ -1807,15 +1807,15 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         }
         status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
                                    L->window, threads);
-        status |= matmul(&L->o, tmp, M, h, threads, gemm_rows, int16_rows);
+        status |= matmul(&L->o, tmp, M, h, threads, gemm_rows);
         if (L->attn_out_norm) norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
         norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
-        status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows, int16_rows);
+        status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows);
         const int64_t F = L->ffn;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) nt_gated(L->activation, big + t * 2 * F, big + t * 2 * F + F, att + t * F, F);
-        status |= matmul(&L->down, att, M, h, threads, gemm_rows, int16_rows);
+        status |= matmul(&L->down, att, M, h, threads, gemm_rows);
         if (L->mlp_out_norm) norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++)
@@ -1851,7 +1851,9 @@ static void prefill_task(const float *q, const float *kt, const float *v, float 
     for (int64_t r = 0; r < n; r++) m[r] = -INFINITY, l[r] = 0.0f;
     memset(o, 0, (size_t)(n * D) * sizeof(float));
     float p[PF_KEYS];
+    const float *vrows[PF_KEYS];
     for (int64_t j0 = first / 16 * 16; j0 <= last; j0 += PF_KEYS) {
+        for (int64_t j = 0; j < PF_KEYS && j0 + j < S; j++) vrows[j] = v + ((j0 + j) * KVH + g) * D;
         for (int64_t r0 = 0; r0 < n; r0 += PF_TILE) {
             const int64_t nr = n - r0 < PF_TILE ? n - r0 : PF_TILE;
             if (shift + t0 + r0 + nr - 1 < j0) continue; /* these queries precede every key here */
@@ -1893,28 +1895,7 @@ static void prefill_task(const float *q, const float *kt, const float *v, float 
                 l[row] = l[row] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
                 m[row] = mnew;
                 _mm512_storeu_ps(p, e0), _mm512_storeu_ps(p + 16, e1);
-                float *orow = o + row * D;
-                const __m512 av = _mm512_set1_ps(alpha);
-                for (int64_t d = 0; d < D; d += 64) { /* up to 4 vectors of outputs, two sets of accumulators */
-                    const int nv = D - d >= 64 ? 4 : (int)((D - d) / 16);
-                    __m512 x[4], y[4];
-                    for (int c = 0; c < nv; c++) x[c] = _mm512_mul_ps(av, _mm512_loadu_ps(orow + d + 16 * c)), y[c] = _mm512_setzero_ps();
-                    int64_t j = a;
-                    for (; j + 2 <= b; j += 2) {
-                        const __m512 w0 = _mm512_set1_ps(p[j]), w1 = _mm512_set1_ps(p[j + 1]);
-                        const float *v0 = v + ((j0 + j) * KVH + g) * D + d, *v1 = v0 + KVH * D;
-                        for (int c = 0; c < nv; c++) {
-                            x[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), x[c]);
-                            y[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v1 + 16 * c), y[c]);
-                        }
-                    }
-                    if (j < b) {
-                        const __m512 w0 = _mm512_set1_ps(p[j]);
-                        const float *v0 = v + ((j0 + j) * KVH + g) * D + d;
-                        for (int c = 0; c < nv; c++) x[c] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v0 + 16 * c), x[c]);
-                    }
-                    for (int c = 0; c < nv; c++) _mm512_storeu_ps(orow + d + 16 * c, _mm512_add_ps(x[c], y[c]));
-                }
+                weighted_rows512(o + row * D, vrows, 0, p, a, b, D, alpha);
             }
         }
     }
