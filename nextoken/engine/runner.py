@@ -101,6 +101,7 @@ class ModelRunner:
                                 quant=self.weights if self.weights in ("int4", "int8") else None,
                                 quantize_head=self.lm_head == "int8")
         self.load_seconds = time.perf_counter() - start
+        self._logits: torch.Tensor | None = None  # execute()'s logits buffer
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
         self.kv_dtype = resolve_kv_dtype(config, self.device)
         self.kv_shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
@@ -149,8 +150,19 @@ class ModelRunner:
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
             logits = self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
-                                batch.logits_indices)
+                                batch.logits_indices, self._logits_out(batch))
         return batch, logits
+
+    def _logits_out(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Where a step's logits go: one buffer kept between steps (the logits are used before the next step;
+        fresh pages would fault in on every step), grown to the largest batch yet, up to max_num_seqs rows (past
+        that, a prompt's logprob rows, a fresh tensor)."""
+        rows = len(batch.logits_indices) if batch.logits_indices is not None else len(batch.input_ids)
+        if rows > self.config.max_num_seqs:
+            return None
+        if self._logits is None or self._logits.shape[0] < rows:
+            self._logits = torch.empty(rows, self.model_config.vocab_size, device=self.device)
+        return self._logits
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

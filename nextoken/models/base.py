@@ -49,11 +49,15 @@ class CausalLM(nn.Module):
             x = x * self.config.embedding_scale
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[num_rows, hidden] -> fp32 logits [num_rows, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[num_rows, hidden] -> fp32 logits [num_rows, vocab], written into `out` ([at least num_rows, vocab] fp32,
+        contiguous, on the head's device) where given and the head can."""
         if self.quantized_head is not None:
-            return self.quantized_head(hidden)
-        return torch.nn.functional.linear(hidden, self.head_weight).float()
+            return self.quantized_head(hidden, out)
+        weight = self.head_weight
+        if out is not None and weight.dtype == hidden.dtype == out.dtype and weight.device == out.device:
+            return torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])
+        return torch.nn.functional.linear(hidden, weight).float()
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -63,8 +67,10 @@ class CausalLM(nn.Module):
         return head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
-                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> logits [len(logits_indices) or num_tokens, vocab] (fp32).
+                meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
+                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> logits [len(logits_indices) or num_tokens, vocab] (fp32), in
+        `logits_out` where given (compute_logits).
 
         Only the rows named by `logits_indices` go through the LM head: in prefill, usually just each sequence's
         last token.
@@ -78,7 +84,7 @@ class CausalLM(nn.Module):
                 x = layer(x, positions, kv_cache, meta)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        return self.compute_logits(x if fused else self.norm(x))
+        return self.compute_logits(x if fused else self.norm(x), logits_out)
 
     # --- loading -------------------------------------------------------------------------------------------
 

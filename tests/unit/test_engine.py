@@ -208,6 +208,38 @@ def test_int8_head_keeps_greedy_tokens_and_top_logprobs(tiny: Path) -> None:
             assert abs(chosen_a - chosen_b) < 1e-3  # only the normalizer sees the cheap pass's tail
 
 
+@pytest.mark.parametrize("head", ["int8", "fp32"])
+def test_steps_write_their_logits_into_one_kept_buffer(tiny_llama: Path, head: str) -> None:
+    """A step's logits go into the runner's buffer, kept between steps (fresh pages would fault in every step) and
+    grown with the batch; what a step samples is what a fresh tensor would hold; teacher-forced scores and batches
+    past max_num_seqs rows get tensors of their own."""
+    llm = _llm(tiny_llama, lm_head=head, max_num_seqs=4)
+    runner = llm.engine.runner
+    kept: list[torch.Tensor] = []
+    execute = runner.execute
+
+    def spy(scheduled):  # type: ignore[no-untyped-def]
+        batch, logits = execute(scheduled)
+        fresh = runner.model(batch.input_ids, batch.positions, runner.kv_pool.layers, batch.attn,
+                             batch.logits_indices)
+        torch.testing.assert_close(logits, fresh, rtol=0, atol=0)  # the step's cache writes repeat, unchanged
+        kept.append(logits)
+        return batch, logits
+
+    runner.execute = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert len(kept) == 6 and runner._logits is not None and runner._logits.shape[0] == 4
+    assert all(t.data_ptr() == runner._logits.data_ptr() for t in kept[-4:])  # the same storage, step after step
+    alone = _llm(tiny_llama, lm_head=head).generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    ids = outs[0].prompt_token_ids + outs[0].token_ids
+    scores = runner.score(ids)
+    assert scores.data_ptr() != runner._logits.data_ptr()
+    prompt = _llm(tiny_llama, lm_head=head, max_num_seqs=4).engine.runner
+    assert prompt._logits_out(type("B", (), {"logits_indices": torch.arange(5), "input_ids": torch.arange(5)})()) is None
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 def test_loading_a_model_leaves_torch_dynamo_unimported(arch: str, tiny_llama: Path, tiny_gemma: Path) -> None:
     """A fresh process loads and generates without importing torch._dynamo (modules built on the meta device with

@@ -261,6 +261,30 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
             torch.testing.assert_close(head(many), F.linear(many, dense), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("exact_blocks", [False, True], ids=["requantized", "file-blocks"])
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_int8_group_head_writes_into_a_given_buffer(kernels: str, exact_blocks: bool,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every route of the head (the cheap pass and its rescoring, the GEMM over the blocks, the float GEMM) fills
+    the first rows of a given buffer with what it returns without one."""
+    if kernels == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    gen = torch.Generator().manual_seed(1)
+    vocab, hidden = 1000, 64
+    w = torch.randn(vocab, hidden, generator=gen) * 0.05
+    if exact_blocks:
+        codes, scales = q8_0_codes(gguf.quants.quantize(w.numpy(), _Q.Q8_0).reshape(-1), (vocab, hidden))
+        head = Int8GroupHead(codes, scales, num_exact=8)
+    else:
+        head = Int8GroupHead(*q8_codes(None, None, w), w, num_exact=8)
+    buffer = torch.full((head.max_rows + 4, vocab), float("nan"))
+    for rows in sorted({1, 3, HEAD_GEMM_ROWS + 1, head.max_rows + 1}):
+        x = torch.randn(rows, hidden, generator=gen)
+        out = head(x, buffer)
+        assert out.data_ptr() == buffer.data_ptr()
+        assert torch.equal(out, head(x)) and out.shape == (rows, vocab)
+
+
 def test_block_embedding_rows_are_the_files_values() -> None:
     vocab, hidden = 300, 96
     w = np.random.default_rng(3).standard_normal((vocab, hidden)).astype(np.float32)
