@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
     from nextoken.models.layers import RMSNorm, RotaryEmbedding
 
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}
 GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1  # rows from which a fused step's products take the fp32 GEMM (measured there)
 
 
@@ -67,7 +66,7 @@ class FusedDecoder:
                 self.ropes.append(attn.rope)
             layers.append(native.Layer(
                 block.input_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.ffn,
-                attn.sliding_window or 0, norms["attn_in"].eps, attn.scale, ACTIVATIONS[mlp.activation],
+                attn.sliding_window or 0, norms["attn_in"].eps, attn.scale, native.ACTIVATIONS[mlp.activation],
                 int(attn.rope.layout == "interleaved"), attn.rope.dim, self.ropes.index(attn.rope),
                 _norm(norms["attn_in"]), _norm(norms["attn_out"]), _norm(norms["mlp_in"]), _norm(norms["mlp_out"]),
                 _norm(attn.q_norm), _norm(attn.k_norm), *matrices))

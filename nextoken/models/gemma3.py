@@ -29,7 +29,7 @@ class Gemma3Block(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         x, h = self.pre_mlp_norm.add(x, self.post_attn_norm(self.attn(self.input_norm(x), positions, kv_cache, meta)))
-        return x + self.post_mlp_norm(self.mlp(h))
+        return self.post_mlp_norm(self.mlp(h)).add_(x)  # in place (LlamaBlock)
 
 
     def fused_norms(self) -> dict[str, RMSNorm | None]:

@@ -159,6 +159,7 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden, 2 * ffn)
         self.down_proj = Linear(ffn, hidden)
         self.activation = activation
+        self.lib = native.library()
         if activation == "silu":
             self.act = F.silu
         elif activation == "gelu_tanh":
@@ -168,6 +169,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * ffn]
+        if (self.lib is not None and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu"
+                and gate_up.dim() == 2 and gate_up.is_contiguous()):
+            # One native pass, split across threads: torch's activation then product are two passes and a
+            # tensor more (SmolLM2's 512-token prefill: 29 ms of them).
+            return self.down_proj(native.gated_rows(self.lib, native.ACTIVATIONS[self.activation], gate_up))
         gate, up = gate_up.split(self.ffn, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

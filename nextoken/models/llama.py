@@ -26,7 +26,7 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
                 meta: AttentionMetadata) -> torch.Tensor:
         x, h = self.post_attn_norm.add(x, self.attn(self.input_norm(x), positions, kv_cache, meta))
-        return x + self.mlp(h)
+        return self.mlp(h).add_(x)  # in place: a fresh sum's pages would fault in at every layer
 
 
     def fused_norms(self) -> dict[str, RMSNorm | None]:

@@ -123,12 +123,24 @@ def _mask(query_len: int, seq_len: int, sliding_window: int | None, device: torc
     return allowed
 
 
+def _write(cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """cache.write, through the native kernels (rows split across threads, as the fused decode step stores them)
+    for fp32 rows on the CPU: index_copy_ took 10 ms of SmolLM2's 512-token prefill."""
+    lib = native.library()
+    if (lib is None or k.dtype != torch.float32 or not native.attends(k.device, cache.k.dtype, k.shape[-1])
+            or slot_mapping.dtype != torch.int64):
+        cache.write(k, v, slot_mapping)
+        return
+    for store, scales, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):
+        native.store_rows(lib, store, scales, slot_mapping, x)
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCacheLayer,
                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim] -> [num_tokens, num_heads,
     head_dim]. Writes k/v into the cache first, so each query sees itself and everything before it (as stored: a
     quantized cache's rounding applies to the new tokens too)."""
-    cache.write(k, v, meta.slot_mapping)
+    _write(cache, k, v, meta.slot_mapping)
     if meta.static is not None:
         return _static_decode(q, cache, meta, scale, sliding_window)
     lib = native.library() if q.dtype == torch.float32 and native.attends(q.device, cache.k.dtype, q.shape[-1]) \

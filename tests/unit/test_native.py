@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape, dequantize_int8, quantize_int8
+from nextoken.cache.kv_pool import KV_DTYPES, KVCacheLayer, KVPool, KVShape, dequantize_int8, quantize_int8
 from nextoken.loader.gguf import read_gguf
 from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
@@ -229,6 +229,60 @@ def test_stream_read_reads_every_word_once(build: str, lib: ctypes.CDLL, portabl
     assert native.stream_read(library, tensors[:1]) != native.stream_read(library, tensors[:2])
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         native.stream_read(library, [torch.randn(4, 8).t()])
+
+
+@pytest.mark.parametrize("rows", [3, native.PARALLEL_ROWS, 53])
+def test_row_kernels_split_across_threads_give_the_one_thread_result(rows: int, lib: ctypes.CDLL) -> None:
+    """Norms and gated activations over many rows (a prefill's) split them across threads: the same values as row by
+    row on one thread (the rows are independent), and as torch's modules."""
+    gen = torch.Generator().manual_seed(3)
+    x, residual, w = torch.randn(rows, 96, generator=gen), torch.randn(rows, 96, generator=gen), torch.rand(96)
+    gate_up = torch.randn(rows, 2 * 80, generator=gen) * 3
+    expected_norm = torch.cat([native.rms_norm(lib, (x[r:r + 1] + residual[r:r + 1]).contiguous(), w, 1e-6)
+                               for r in range(rows)])
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        try:
+            stream = x.clone()
+            assert torch.equal(native.rms_norm(lib, stream, w, 1e-6, residual=residual), expected_norm)
+            for activation, name in ((0, "silu"), (1, "gelu_tanh")):
+                assert native.ACTIVATIONS[name] == activation
+                got = native.gated_rows(lib, activation, gate_up)
+                assert torch.equal(got, native.gated(lib, activation, gate_up[:, :80], gate_up[:, 80:]))
+                module = F.silu if activation == 0 else (lambda t: F.gelu(t, approximate="tanh"))
+                torch.testing.assert_close(got, module(gate_up[:, :80]) * gate_up[:, 80:], rtol=1e-5, atol=1e-6)
+        finally:
+            torch.set_num_threads(2)
+    with pytest.raises(ValueError, match="rows of gate and up"):
+        native.gated_rows(lib, 0, torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_native_kv_stores_write_what_the_cache_writes(kv_dtype: torch.dtype, lib: ctypes.CDLL) -> None:
+    """Rows stored into the paged cache by the kernels (rows of any stride, slots in any order, split across
+    threads) hold what KVCacheLayer.write stores, and touch no other slot."""
+    blocks, block_size, kv_heads, head_dim, n = 6, 4, 2, 32, 19
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(n, 3 * kv_heads * head_dim, generator=gen) * 2
+    k = qkv[:, :kv_heads * head_dim].unflatten(1, (kv_heads, head_dim))  # a strided view, as the model's
+    v = qkv[:, kv_heads * head_dim:2 * kv_heads * head_dim].unflatten(1, (kv_heads, head_dim))
+    slots = torch.randperm(blocks * block_size, generator=gen)[:n]
+
+    def layer() -> KVCacheLayer:
+        shape = (blocks, block_size, kv_heads, head_dim)
+        scales = (lambda: torch.zeros(blocks, block_size, kv_heads, head_dim // 32, dtype=torch.float16)) \
+            if kv_dtype == torch.int8 else (lambda: None)
+        return KVCacheLayer(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype), scales(), scales())
+
+    expected, got = layer(), layer()
+    expected.write(k, v, slots)
+    native.store_rows(lib, got.k, got.k_scale, slots, k)
+    native.store_rows(lib, got.v, got.v_scale, slots, v)
+    for a, b in ((expected.k, got.k), (expected.v, got.v), (expected.k_scale, got.k_scale)):
+        if a is not None:
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.store_rows(lib, got.k, got.k_scale, slots[:3], k)
 
 
 def test_rms_norm_over_heads(lib: ctypes.CDLL) -> None:

@@ -198,6 +198,7 @@ def sgemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, out: 
 
 
 _SIGNATURES["nt_gated"] = (None, [_i64, _ptr, _ptr, _ptr, _i64])
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated kernels' activation codes
 
 
 def gated(lib: ctypes.CDLL, activation: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -250,8 +251,29 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     first, in place."""
     out = torch.empty_like(x)
     size = x.shape[-1]
-    lib.nt_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                    out.data_ptr(), x.numel() // size, size, eps)
+    rows = x.numel() // size
+    lib.nt_norm_rows(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                     out.data_ptr(), rows, size, eps, torch.get_num_threads() if rows >= PARALLEL_ROWS else 1)
+    return out
+
+
+# Rows from which the row-wise kernels (norms, gated activations) split them across threads: below, waking the
+# other threads costs more than it saves.
+PARALLEL_ROWS = 16
+
+_SIGNATURES["nt_norm_rows"] = (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32, _i32])
+_SIGNATURES["nt_gated_rows"] = (None, [_i64, _ptr, _i64, _i64, _ptr, _i32])
+
+
+def gated_rows(lib: ctypes.CDLL, activation: int, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up [rows, F] of contiguous fp32 rows [rows, 2F] of gate then up: silu (0) or gelu with tanh (1)."""
+    _check(gate_up)
+    if not gate_up.is_contiguous() or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gated_rows: {tuple(gate_up.shape)} is not contiguous rows of gate and up")
+    rows, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, f)
+    lib.nt_gated_rows(activation, gate_up.data_ptr(), rows, f, out.data_ptr(),
+                      torch.get_num_threads() if rows >= PARALLEL_ROWS else 1)
     return out
 
 
@@ -282,6 +304,26 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, out: torch.Tensor, rows:
         _KV_KINDS[k.dtype], block_size, q.shape[1], kv_heads, head_dim, scale, window or 0, torch.get_num_threads())
     if status:
         raise ValueError("decode_attention: int8 caches need a head size that is a multiple of 32, or out of memory")
+
+
+_SIGNATURES["nt_store_rows"] = (None, [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i32])
+
+
+def store_rows(lib: ctypes.CDLL, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+               x: torch.Tensor) -> None:
+    """x [n, kv_heads, head_dim] fp32 (rows of any stride) into `cache` [num_blocks, block_size, kv_heads,
+    head_dim] (fp32, bf16, or int8 with fp16 `scales` [..., head_dim / 32]) at flat slots [n] (nt_store_rows)."""
+    rows = x.reshape(x.shape[0], -1)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    _check(rows)
+    if rows.shape[1] != cache.shape[2] * cache.shape[3] or slots.shape[0] != rows.shape[0]:
+        raise ValueError(f"store_rows: rows {tuple(x.shape)} do not fit cache {tuple(cache.shape)} at "
+                         f"{slots.shape[0]} slots")
+    slots = _indices(slots)
+    lib.nt_store_rows(cache.data_ptr(), None if scales is None else scales.data_ptr(), _KV_KINDS[cache.dtype],
+                      slots.data_ptr(), rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0),
+                      torch.get_num_threads() if rows.shape[0] >= PARALLEL_ROWS else 1)
 
 
 _SIGNATURES["nt_prefill_attention"] = (_i32, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _f32, _i64, _i32])

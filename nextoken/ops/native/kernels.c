@@ -1751,6 +1751,14 @@ typedef struct {
 /* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the fp32 one over the
  * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
  * projections keep no panels); fewer rows take the block kernels (bound by the bytes of the weight). */
+/* Rows of src (n of width floats, ld apart) into a cache's slots (kind as nt_cache; width = kv heads x head size),
+ * the rows split across threads. */
+void nt_store_rows(void *data, uint16_t *scales, int64_t kind, const int64_t *slots, const float *src, int64_t n,
+                   int64_t width, int64_t ld, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && n > 1)
+    for (int64_t t = 0; t < n; t++) store_row(data, scales, kind, slots[t] * width, src + t * ld, width);
+}
+
 static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
     const int gemm = M >= gemm_rows;
     if (gemm && w->panels) {
@@ -1808,8 +1816,14 @@ void nt_gated(int64_t activation, const float *g, const float *u, float *a, int6
     for (; i < n; i++) a[i] = (activation == 0 ? g[i] / (1.0f + expf(-g[i])) : gelu_tanh(g[i])) * u[i];
 }
 
+/* Rows of [gate | up] (2F values each) -> act(gate) * up [M, F], the rows split across threads. */
+void nt_gated_rows(int64_t activation, const float *gate_up, int64_t M, int64_t F, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+    for (int64_t t = 0; t < M; t++) nt_gated(activation, gate_up + t * 2 * F, gate_up + t * 2 * F + F, out + t * F, F);
+}
+
 /* nt_rms_norm over M rows, the rows split across threads. */
-static void norm_rows(float *x, const float *residual, const float *w, float *out, int64_t M, int64_t K, float eps,
+void nt_norm_rows(float *x, const float *residual, const float *w, float *out, int64_t M, int64_t K, float eps,
                       int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++)
@@ -1846,7 +1860,7 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         const int64_t H = L->heads, KVH = L->kv_heads, D = L->head_dim, hid = L->hidden;
         const int64_t qkv_n = L->qkv.n;
         /* attention */
-        norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
+        nt_norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
         status |= matmul(&L->qkv, h, M, big, threads, gemm_rows);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
@@ -1865,21 +1879,20 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
                                    L->window, threads);
         status |= matmul(&L->o, tmp, M, h, threads, gemm_rows);
-        if (L->attn_out_norm) norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
+        if (L->attn_out_norm) nt_norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
-        norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
+        nt_norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
         status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows);
         const int64_t F = L->ffn;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
-        for (int64_t t = 0; t < M; t++) nt_gated(L->activation, big + t * 2 * F, big + t * 2 * F + F, att + t * F, F);
+        nt_gated_rows(L->activation, big, M, F, att, threads);
         status |= matmul(&L->down, att, M, h, threads, gemm_rows);
-        if (L->mlp_out_norm) norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
+        if (L->mlp_out_norm) nt_norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++)
             for (int64_t i = 0; i < hid; i++) x[t * hid + i] += h[t * hid + i];
     }
     if (final_norm && num_layers > 0 && !status)
-        norm_rows(x, NULL, final_norm, x, M, layers[num_layers - 1].hidden, final_eps, threads);
+        nt_norm_rows(x, NULL, final_norm, x, M, layers[num_layers - 1].hidden, final_eps, threads);
     return status ? -1 : 0;
 }
 
