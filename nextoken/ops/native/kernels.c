@@ -1057,9 +1057,10 @@ static int block_igemm(int kind, const float *x, int64_t M, int64_t K, int64_t l
     xq.s = xq.d + M * groups;
     xq.q = (int16_t *)(xq.s + M * groups);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
-    for (int64_t r = 0; r < M; r++)
+    for (int64_t r = 0; r < M; r++) {
         quantize_row16(x + r * ldx, K, xq.q + r * K, xq.d + r * groups, xq.s + r * groups, 0);
-    ig_pair_order(kind, xq.q, M * K);
+        ig_pair_order(kind, xq.q + r * K, K);
+    }
     const int64_t pairs_of_panels = (N + 31) / 32;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && pairs_of_panels > 1)
@@ -1900,13 +1901,24 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
 
 #ifdef NT_VNNI512
 #define PF_ROWS 64 /* query positions of one task (one query head) */
-#define PF_KEYS 32 /* keys of a step: two vectors of scores per query */
-#define PF_TILE 8  /* queries whose scores are accumulated together */
+#define PF_KEYS 64 /* keys of a step: four vectors of scores per query (SmolLM2: 9% faster than 32) */
+#define PF_TILE 4  /* queries whose scores are accumulated together */
 
+/* exp_ps's polynomial on 16 lanes, the power of two applied by vscalefps (exact, no exponent-field arithmetic). */
 static inline __m512 exp512_ps(__m512 x) {
-    const __m256 lo = exp_ps(_mm512_castps512_ps256(x));
-    const __m256 hi = exp_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* One task of nt_prefill_attention: query head h, queries [t0, t1), as flash attention does it: keys PF_KEYS at
@@ -1916,55 +1928,69 @@ static inline __m512 exp512_ps(__m512 x) {
 static void prefill_task(const float *q, const float *kt, const float *v, float *out, int64_t t0, int64_t t1,
                          int64_t T, int64_t S, int64_t H, int64_t KVH, int64_t D, int64_t h, float scale,
                          int64_t window, float *o, float *m, float *l) {
+    enum { NV = PF_KEYS / 16 }; /* score vectors per query */
     const int64_t g = h / (H / KVH), n = t1 - t0, shift = S - T; /* query t sits at position shift + t */
     const int64_t last = shift + t1 - 1, first = window > 0 && shift + t0 - window + 1 > 0 ? shift + t0 - window + 1 : 0;
     for (int64_t r = 0; r < n; r++) m[r] = -INFINITY, l[r] = 0.0f;
     memset(o, 0, (size_t)(n * D) * sizeof(float));
     float p[PF_KEYS];
     const float *vrows[PF_KEYS];
+    const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
     for (int64_t j0 = first / 16 * 16; j0 <= last; j0 += PF_KEYS) {
         for (int64_t j = 0; j < PF_KEYS && j0 + j < S; j++) vrows[j] = v + ((j0 + j) * KVH + g) * D;
+        __mmask16 in[NV]; /* keys past S read as zeros */
+        for (int c = 0; c < NV; c++) {
+            const int64_t left = S - j0 - 16 * c;
+            in[c] = left >= 16 ? 0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1u);
+        }
         for (int64_t r0 = 0; r0 < n; r0 += PF_TILE) {
             const int64_t nr = n - r0 < PF_TILE ? n - r0 : PF_TILE;
             if (shift + t0 + r0 + nr - 1 < j0) continue; /* these queries precede every key here */
-            __m512 acc[PF_TILE][2];
-            for (int r = 0; r < PF_TILE; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+            __m512 acc[PF_TILE][NV];
+            for (int r = 0; r < PF_TILE; r++)
+                for (int c = 0; c < NV; c++) acc[r][c] = _mm512_setzero_ps();
             const float *qrow[PF_TILE]; /* past the last query: its row again (scores unused) */
             for (int r = 0; r < PF_TILE; r++) qrow[r] = q + ((t0 + r0 + (r < nr ? r : nr - 1)) * H + h) * D;
-            const __mmask16 in0 = j0 + 16 <= S ? 0xFFFF : (__mmask16)((1u << (S - j0 > 0 ? S - j0 : 0)) - 1u);
-            const __mmask16 in1 = j0 + 32 <= S ? 0xFFFF : (__mmask16)((1u << (S - j0 - 16 > 0 ? S - j0 - 16 : 0)) - 1u);
             for (int64_t d = 0; d < D; d++) {
-                const __m512 k0 = _mm512_maskz_loadu_ps(in0, kt + d * S + j0);
-                const __m512 k1 = _mm512_maskz_loadu_ps(in1, kt + d * S + j0 + 16);
+                __m512 k[NV];
+                for (int c = 0; c < NV; c++) k[c] = _mm512_maskz_loadu_ps(in[c], kt + d * S + j0 + 16 * c);
                 for (int r = 0; r < PF_TILE; r++) {
                     const __m512 qv = _mm512_set1_ps(qrow[r][d]);
-                    acc[r][0] = _mm512_fmadd_ps(qv, k0, acc[r][0]);
-                    acc[r][1] = _mm512_fmadd_ps(qv, k1, acc[r][1]);
+                    for (int c = 0; c < NV; c++) acc[r][c] = _mm512_fmadd_ps(qv, k[c], acc[r][c]);
                 }
             }
             float sc[PF_TILE][PF_KEYS]; /* out of the registers (indexing acc by a variable row would spill it) */
-            for (int r = 0; r < PF_TILE; r++) _mm512_storeu_ps(sc[r], acc[r][0]), _mm512_storeu_ps(sc[r] + 16, acc[r][1]);
+            for (int r = 0; r < PF_TILE; r++)
+                for (int c = 0; c < NV; c++) _mm512_storeu_ps(sc[r] + 16 * c, acc[r][c]);
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t row = r0 + r, pos = shift + t0 + row;
                 const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-                /* keys lo..pos of this query among j0..j0 + 31 */
+                /* keys lo..pos of this query among j0..j0 + PF_KEYS - 1 */
                 const int64_t a = lo > j0 ? lo - j0 : 0, b = pos - j0 + 1 < PF_KEYS ? pos - j0 + 1 : PF_KEYS;
                 if (b <= a) continue;
-                const uint32_t bits = (b - a >= 32 ? 0xFFFFFFFFu : ((1u << (b - a)) - 1u)) << a;
-                const __mmask16 mk0 = (__mmask16)(bits & 0xFFFF), mk1 = (__mmask16)(bits >> 16);
-                const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sc[r]), _mm512_set1_ps(scale));
-                const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(sc[r] + 16), _mm512_set1_ps(scale));
-                const __m512 ninf = _mm512_set1_ps(-INFINITY);
-                const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_blend_ps(mk0, ninf, s0),
-                                                                     _mm512_mask_blend_ps(mk1, ninf, s1)));
-                const float mnew = top > m[row] ? top : m[row];
+                __m512 sr[NV], top = ninf;
+                __mmask16 mk[NV];
+                for (int c = 0; c < NV; c++) {
+                    const int64_t from = a - 16 * c, to = b - 16 * c; /* this vector's lanes [from, to) */
+                    const uint32_t below = to >= 16 ? 0xFFFFu : to <= 0 ? 0u : (1u << to) - 1u;
+                    const uint32_t above = from <= 0 ? 0xFFFFu : from >= 16 ? 0u : ~((1u << from) - 1u) & 0xFFFFu;
+                    mk[c] = (__mmask16)(below & above);
+                    sr[c] = _mm512_mul_ps(_mm512_loadu_ps(sc[r] + 16 * c), sv);
+                    top = _mm512_max_ps(top, _mm512_mask_blend_ps(mk[c], ninf, sr[c]));
+                }
+                const float best = _mm512_reduce_max_ps(top);
+                const float mnew = best > m[row] ? best : m[row];
                 const float alpha = expf(m[row] - mnew); /* 0 on the first keys (m = -inf) */
                 const __m512 mv = _mm512_set1_ps(mnew);
-                const __m512 e0 = _mm512_maskz_mov_ps(mk0, exp512_ps(_mm512_sub_ps(s0, mv)));
-                const __m512 e1 = _mm512_maskz_mov_ps(mk1, exp512_ps(_mm512_sub_ps(s1, mv)));
-                l[row] = l[row] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+                __m512 total = _mm512_setzero_ps();
+                for (int c = 0; c < NV; c++) {
+                    if (!mk[c]) continue;
+                    const __m512 e = _mm512_maskz_mov_ps(mk[c], exp512_ps(_mm512_sub_ps(sr[c], mv)));
+                    total = _mm512_add_ps(total, e);
+                    _mm512_storeu_ps(p + 16 * c, e);
+                }
+                l[row] = l[row] * alpha + _mm512_reduce_add_ps(total);
                 m[row] = mnew;
-                _mm512_storeu_ps(p, e0), _mm512_storeu_ps(p + 16, e1);
                 weighted_rows512(o + row * D, vrows, 0, p, a, b, D, alpha);
             }
         }
