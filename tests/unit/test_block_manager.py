@@ -334,6 +334,20 @@ def test_lru_evicts_the_least_recently_released_prefix_first() -> None:
     assert bm.num_free_blocks == 1
 
 
+def test_blocks_freed_last_are_taken_first() -> None:
+    """Blocks holding nothing come back as a stack: a new sequence takes the blocks the last one freed (their pages
+    resident, maybe cached) in its order, not blocks the pool has never written."""
+    bm = BlockManager(64, 4, enable_prefix_caching=False)
+    first = bm.allocate(3)
+    assert first == [0, 1, 2]  # a fresh pool hands out its blocks in order
+    other = bm.allocate(2)
+    bm.free(first)
+    assert bm.allocate(3) == first
+    bm.free(other)
+    assert bm.allocate(1) == [other[0]]
+    bm.check_integrity()
+
+
 def test_a_hit_never_covers_the_last_token() -> None:
     bm = BlockManager(4, 2)
     _computed(bm, [1, 2, 3, 4])
