@@ -127,8 +127,7 @@ def _write(cache: KVCacheLayer, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
     """cache.write, through the native kernels (rows split across threads, as the fused decode step stores them)
     for fp32 rows on the CPU: index_copy_ took 10 ms of SmolLM2's 512-token prefill."""
     lib = native.library()
-    if (lib is None or k.dtype != torch.float32 or not native.attends(k.device, cache.k.dtype, k.shape[-1])
-            or slot_mapping.dtype != torch.int64):
+    if lib is None or k.dtype != torch.float32 or not native.attends(k.device, cache.k.dtype, k.shape[-1]):
         cache.write(k, v, slot_mapping)
         return
     for store, scales, x in ((cache.k, cache.k_scale, k), (cache.v, cache.v_scale, v)):

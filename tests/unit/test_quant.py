@@ -212,6 +212,18 @@ def test_block_linear_falls_back_to_torch_int4(monkeypatch: pytest.MonkeyPatch) 
     assert mixed.max_rows == 0 and torch.equal(mixed(few[:, :96]), F.linear(few[:, :96], exact))
 
 
+def _int8_head(vocab: int, hidden: int, exact_blocks: bool, num_exact: int,
+               gen: torch.Generator) -> tuple[Int8GroupHead, torch.Tensor]:
+    """A random head as Int8GroupHead and its dense fp32 weight: the file's own Q8_0 blocks (no float weight), or
+    blocks requantized from the float weight."""
+    w = torch.randn(vocab, hidden, generator=gen) * 0.05
+    if not exact_blocks:
+        return Int8GroupHead(*q8_codes(None, None, w), w, num_exact=num_exact), w
+    raw = gguf.quants.quantize(w.numpy(), _Q.Q8_0).reshape(-1)
+    dense = dequantize(raw, _Q.Q8_0, (vocab, hidden))  # the head as the file stores it
+    return Int8GroupHead(*q8_0_codes(raw, (vocab, hidden)), num_exact=num_exact), dense
+
+
 @pytest.mark.parametrize("exact_blocks", [False, True], ids=["requantized", "file-blocks"])
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exact_blocks: bool,
@@ -221,17 +233,8 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
     if kernels == "torch":
         monkeypatch.setattr(native, "library", lambda: None)
     gen = torch.Generator().manual_seed(0)
-    vocab, hidden = 4096, 128
-    w = torch.randn(vocab, hidden, generator=gen) * 0.05
-    if exact_blocks:
-        raw = gguf.quants.quantize(w.numpy(), _Q.Q8_0).reshape(-1)
-        dense = dequantize(raw, _Q.Q8_0, (vocab, hidden))  # the head as the file stores it
-        codes, scales = q8_0_codes(raw, (vocab, hidden))
-        head = Int8GroupHead(codes, scales, num_exact=32)
-    else:
-        dense = w
-        codes, scales = q8_codes(None, None, w)
-        head = Int8GroupHead(codes, scales, dense, num_exact=32)
+    hidden = 128
+    head, dense = _int8_head(4096, hidden, exact_blocks, 32, gen)
     x = torch.randn(4, hidden, generator=gen) * 3
     exact = F.linear(x, dense)
     out = head(x)
@@ -271,12 +274,7 @@ def test_int8_group_head_writes_into_a_given_buffer(kernels: str, exact_blocks: 
         monkeypatch.setattr(native, "library", lambda: None)
     gen = torch.Generator().manual_seed(1)
     vocab, hidden = 1000, 64
-    w = torch.randn(vocab, hidden, generator=gen) * 0.05
-    if exact_blocks:
-        codes, scales = q8_0_codes(gguf.quants.quantize(w.numpy(), _Q.Q8_0).reshape(-1), (vocab, hidden))
-        head = Int8GroupHead(codes, scales, num_exact=8)
-    else:
-        head = Int8GroupHead(*q8_codes(None, None, w), w, num_exact=8)
+    head, _ = _int8_head(vocab, hidden, exact_blocks, 8, gen)
     buffer = torch.full((head.max_rows + 4, vocab), float("nan"))
     for rows in sorted({1, 3, HEAD_GEMM_ROWS + 1, head.max_rows + 1}):
         x = torch.randn(rows, hidden, generator=gen)

@@ -196,21 +196,23 @@ static inline float hsum_ps(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Cephes' constants: the clamp, log2(e), ln 2 in two parts, and the polynomial's coefficients, highest first. */
+static const float EXP_MAX = 88.3762626647949f, EXP_LOG2E = 1.44269504088896341f, EXP_LN2_HI = 0.693359375f,
+                   EXP_LN2_LO = -2.12194440e-4f;
+static const float EXP_POLY[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 /* e^x for 8 lanes, within 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, then
  * 2^n through the exponent bits). Inputs are clamped to +-88.376, where e^x is near fp32's largest and smallest
  * normal numbers (far enough for the softmax and the gated activations that use it); NaN stays NaN. */
 static inline __m256 exp_ps(__m256 x) {
-    x = _mm256_min_ps(_mm256_set1_ps(88.3762626647949f), _mm256_max_ps(_mm256_set1_ps(-88.3762626647949f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_min_ps(_mm256_set1_ps(EXP_MAX), _mm256_max_ps(_mm256_set1_ps(-EXP_MAX), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_POLY[0]);
+    for (int c = 1; c < 6; c++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_POLY[c]));
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     /* 2^n in two factors, so that n = 128 (x near 88.7) still has an exponent field */
     const __m256i e = _mm256_cvtps_epi32(n);
@@ -222,19 +224,15 @@ static inline __m256 exp_ps(__m256 x) {
 }
 
 #ifdef NT_VNNI512
-/* exp_ps's polynomial on 16 lanes, the power of two applied by vscalefps (exact, no exponent-field arithmetic). */
+/* exp_ps on 16 lanes, the power of two applied by vscalefps (exact, no exponent-field arithmetic). */
 static inline __m512 exp512_ps(__m512 x) {
-    x = _mm512_min_ps(_mm512_set1_ps(88.3762626647949f), _mm512_max_ps(_mm512_set1_ps(-88.3762626647949f), x));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_min_ps(_mm512_set1_ps(EXP_MAX), _mm512_max_ps(_mm512_set1_ps(-EXP_MAX), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_POLY[0]);
+    for (int c = 1; c < 6; c++) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_POLY[c]));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
 }
@@ -922,23 +920,21 @@ static inline void transpose16_epi32(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* The activation codes in the order of the pairs the weights widen into (ig_widen). A 32-bit lane of a byte
+/* The order of activation codes that matches the pairs the weights widen into (ig_widen), per 32 codes. A 32-bit lane of a byte
  * transpose holds four neighbouring bytes of a row, and 16-bit shifts and masks of it give pairs of every other
  * one as int16: int8 codes 4q..4q + 3 give the pairs (4q, 4q + 2), (4q + 1, 4q + 3); Q4 bytes 4j..4j + 3 of a
  * block hold codes 4j.. (low nibbles) and 4j + 16.. (high), so a block's pairs are (4j, 4j + 2), (4j + 1, 4j + 3),
  * (4j + 16, 4j + 18), (4j + 17, 4j + 19) for j = 0..3. Rows of K codes, K a multiple of 32. */
-static void ig_pair_order(int kind, int16_t *q, int64_t n) {
+static __m512i ig_pair_order(int kind) {
     int16_t at[32];
     for (int i = 0; i < 32; i++)
         at[i] = (int16_t)(kind == 4 ? 4 * (i / 8) + (i / 2) % 2 + 16 * ((i / 4) % 2) + 2 * (i % 2)
                                     : 4 * (i / 4) + (i / 2) % 2 + 2 * (i % 2)); /* code of pair i / 2, item i % 2 */
-    const __m512i index = _mm512_loadu_si512(at);
-    for (int64_t i = 0; i < n; i += 32)
-        _mm512_storeu_si512(q + i, _mm512_permutexvar_epi16(index, _mm512_loadu_si512(q + i)));
+    return _mm512_loadu_si512(at); /* for vpermw: slot i takes code at[i] */
 }
 
-/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p: per panel and block, the 16 rows'
- * 32 codes as int16 (a vector of 16 pairs each), transposed so that vector k holds pair k of every row. */
+/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p: per panel, vector k holds pair k
+ * (in ig_pair_order's order) of each of its 16 rows, as int16. */
 static void ig_widen(int kind, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N, int64_t K,
                      const ig_panels *p, int prefetch) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
@@ -1075,10 +1071,13 @@ static int block_igemm(int kind, const float *x, int64_t M, int64_t K, int64_t l
     xq.d = (float *)xq.block;
     xq.s = xq.d + M * groups;
     xq.q = (int16_t *)(xq.s + M * groups);
+    const __m512i order = ig_pair_order(kind);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++) {
-        quantize_row16(x + r * ldx, K, xq.q + r * K, xq.d + r * groups, xq.s + r * groups, 0);
-        ig_pair_order(kind, xq.q + r * K, K);
+        int16_t *q = xq.q + r * K;
+        quantize_row16(x + r * ldx, K, q, xq.d + r * groups, xq.s + r * groups, 0);
+        for (int64_t i = 0; i < K; i += 32)
+            _mm512_storeu_si512(q + i, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(q + i)));
     }
     const int64_t pairs_of_panels = (N + 31) / 32;
     int failed = 0;
@@ -1768,9 +1767,6 @@ typedef struct {
     nt_matrix qkv, o, gate_up, down;
 } nt_layer;
 
-/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the fp32 one over the
- * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
- * projections keep no panels); fewer rows take the block kernels (bound by the bytes of the weight). */
 /* Rows of src (n of width floats, ld apart) into a cache's slots (kind as nt_cache; width = kv heads x head size),
  * the rows split across threads. */
 void nt_store_rows(void *data, uint16_t *scales, int64_t kind, const int64_t *slots, const float *src, int64_t n,
@@ -1779,6 +1775,9 @@ void nt_store_rows(void *data, uint16_t *scales, int64_t kind, const int64_t *sl
     for (int64_t t = 0; t < n; t++) store_row(data, scales, kind, slots[t] * width, src + t * ld, width);
 }
 
+/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the fp32 one over the
+ * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
+ * projections keep no panels); fewer rows take the block kernels (bound by the bytes of the weight). */
 static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
     const int gemm = M >= gemm_rows;
     if (gemm && w->panels) {
@@ -1856,7 +1855,7 @@ void nt_gated_rows(int64_t activation, const float *gate_up, int64_t M, int64_t 
 
 /* nt_rms_norm over M rows, the rows split across threads. */
 void nt_norm_rows(float *x, const float *residual, const float *w, float *out, int64_t M, int64_t K, float eps,
-                      int threads) {
+                  int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++)
         nt_rms_norm(x + r * K, residual ? residual + r * K : NULL, w, out + r * K, 1, K, eps);
