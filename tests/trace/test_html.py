@@ -122,7 +122,7 @@ def test_screenshot_is_not_blank(page: tuple[Path, LLM], tmp_path: Path) -> None
     shot = tmp_path / "trace.png"
     # A window tall enough for the whole page: how far down the attention matrix lands depends on the fonts
     # installed and on the tokens the tiny model drew, and at 900 px it can fall below the fold.
-    result = run_chromium(page[0], tmp_path, f"--screenshot={shot}", height=2400)
+    result = run_chromium(page[0], tmp_path, f"--screenshot={shot}", height=3200)
     assert result.returncode == 0 and shot.exists(), result.stderr[-2000:]
     pixels = read_png(shot)[..., :3].reshape(-1, 3).astype(int)
     background = np.array([250, 250, 250])  # the page's #fafafa
