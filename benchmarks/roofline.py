@@ -93,9 +93,9 @@ def measure(name: str, rounds: int, steps: int, llama: str | None = None) -> dic
     head_seconds = [0.0]
     compute_logits = model.compute_logits
 
-    def timed_logits(hidden: torch.Tensor) -> torch.Tensor:
+    def timed_logits(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         start = time.perf_counter()
-        out = compute_logits(hidden)
+        out = compute_logits(hidden, out)
         head_seconds[0] += time.perf_counter() - start
         return out
 

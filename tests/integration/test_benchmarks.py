@@ -1,0 +1,48 @@
+"""The benchmarks run against the engine as it is: each one's measurement, at its smallest, on the embedded default
+model. The figures are not judged here (benchmarks/ report those), only that they come out, complete and plausible,
+so an interface the engine changed cannot leave a benchmark broken until someone next runs it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from benchmarks import latency, profile_decode, roofline, throughput
+from nextoken import LLM
+from tests.conftest import REAL_MODELS
+
+MODEL = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(REAL_MODELS[MODEL], device="cpu", kv_cache_bytes=64 << 20)
+
+
+def test_roofline_splits_a_decode_step() -> None:
+    r = roofline.measure(REAL_MODELS[MODEL], rounds=1, steps=4)
+    med, nbytes = r["median"], r["bytes"]
+    assert nbytes["projections"] > nbytes["head"] > 0  # SmolLM2: 66 MB of Q4_1 blocks, a 30 MB Q8_0 head
+    assert med["stream_s"] > 0 and med["hot_products_s"] > 0
+    assert 0 < med["layers_s"] and 0 < med["head_s"] and med["layers_s"] + med["head_s"] < med["step_s"]
+
+
+def test_latency_times_prefill_and_decode(llm: LLM) -> None:
+    m = latency.measure(llm, repeats=1, prompt_len=48, decode_len=4)
+    assert set(m) == {"prefill_tok_s", "decode_tok_s", "decode_empty_tok_s", "ttft_s"}
+    assert all(v > 0 for v in m.values())
+
+
+def test_profile_decode_tables_one_batched_step() -> None:
+    text = profile_decode.run(REAL_MODELS[MODEL], "auto", 2, 2, "auto")
+    assert "batch 2" in text and "ms per step" in text and "Self CPU" in text
+
+
+def test_throughput_runs_a_batch_and_one_by_one(llm: LLM) -> None:
+    specs = throughput.uniform_workload(llm, 4, 16, 5, random.Random(0))
+    batched = throughput.run(llm, specs, "batched", 4)
+    serial = throughput.run(llm, specs[:2], "one by one", 4)
+    assert batched.num_output_tokens == 4 * 5 and serial.num_output_tokens == 2 * 5
+    assert batched.decode_tok_s and batched.decode_tok_s > 0 and serial.decode_tok_s and serial.decode_tok_s > 0
+    assert serial.scaled_wall_s == pytest.approx(serial.wall_s * 2)
