@@ -6,7 +6,8 @@ Both go through the engine exactly as a user's request does. Prefill is timed fr
 (one forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that
 512-token prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians
 of N runs, the prefix cache off so every run computes its whole prompt. Printed beside ANCHORS.md's figures with
-ratios; the first weight format (fp32) is the in-run baseline for the others. With --llama-bench (a llama-bench
+ratios; the first weight format (fp32) is the in-run baseline for the others, block formats run again with int8
+activation codes (`activations="int8"`). With --llama-bench (a llama-bench
 binary the user built), llama.cpp runs on the same GGUF file in the same run (`-p 512 -n 128`, the machine's thread
 count) and the ratios to it are printed too. Then each KV cache format with the default weights: decode tok/s over
 the same 512-token context, and how many tokens a 1 GiB pool holds. With --turns N, only the default formats and
@@ -138,16 +139,21 @@ def main() -> None:
                       f"{measured['prefill_512']:.1f} tok/s, decode {measured['decode_1']:.1f} tok/s")
                 for key in ("prefill_512", "decode_1"):
                     anchors[key] = {f"transformers {dtype} this run": measured[key], **anchors[key]}
-        for dtype in args.weights:
+        # Each weight format with int16 activation codes, then block formats with int8 ones (--activations int8).
+        variants = [(dtype, "int16") for dtype in args.weights]
+        variants += [(dtype, "int8") for dtype in args.weights if dtype in ("int4", "int8")]
+        for dtype, activations in variants:
+            label = dtype if activations == "int16" else f"{dtype}, int8 activations"
             try:
-                llm = LLM(name, weights=dtype, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
+                llm = LLM(name, weights=dtype, activations=activations, device="cpu", enable_prefix_caching=False,
+                          kv_cache_bytes=256 << 20)
             except Exception as e:  # noqa: BLE001 - a format this machine or file cannot run is reported, not fatal
-                print(f"{name} {dtype}: skipped ({e})")
+                print(f"{name} {label}: skipped ({e})")
                 continue
             r = measure(llm, args.repeats)
-            results[f"{name}/{dtype}"] = r
+            results[f"{name}/{label}"] = r
             baseline = baseline or r
-            print(f"{name} {dtype}")
+            print(f"{name} {label}")
             print(f"  prefill 512: {r['prefill_tok_s']:8.1f} tok/s   vs "
                   f"{versus(r['prefill_tok_s'], anchors['prefill_512'])}"
                   f"; {r['prefill_tok_s'] / baseline['prefill_tok_s']:.2f}x {args.weights[0]}")

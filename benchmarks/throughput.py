@@ -212,6 +212,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--weights", choices=["auto", "fp32", "bf16", "int8", "int4"], default="auto")
     parser.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "int8"], default="auto")
+    parser.add_argument("--activations", choices=["int16", "int8"], default="int16",
+                        help="how block weights meet the activations in batches of 12 or more (int8: faster)")
     parser.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 64, quick 16)")
     parser.add_argument("--one-by-one", type=int, default=None,
                         help="how many of them to run one by one (default 8, quick 2; totals are scaled)")
@@ -227,10 +229,10 @@ def main() -> None:
     output_len = 32 if args.quick else 128
 
     start = time.perf_counter()
-    llm = LLM(args.model, weights=args.weights, kv_dtype=args.kv_dtype, device="cpu",
+    llm = LLM(args.model, weights=args.weights, kv_dtype=args.kv_dtype, activations=args.activations, device="cpu",
               kv_cache_bytes=args.kv_cache_mib << 20)
     load_s = time.perf_counter() - start
-    fmt = f"weights {llm.engine.runner.weights}, KV {llm.engine.runner.kv_dtype}"
+    fmt = f"weights {llm.engine.runner.weights}, KV {llm.engine.runner.kv_dtype}, activations {args.activations}"
     bm = llm.engine.block_manager
     print(f"nextoken throughput: {args.model}, {fmt}, cpu, {torch.get_num_threads()} threads, seed {args.seed}, "
           f"KV pool {bm.num_blocks * bm.block_size} tokens, load {load_s:.1f} s"
@@ -269,6 +271,7 @@ def main() -> None:
         payload["transformers"] = theirs
     print_anchors(args.model, fmt, first_results[0], first_results[1], this_run)
     key = f"{args.model}/{llm.engine.runner.weights}/{llm.engine.runner.kv_dtype}/{num}x{output_len}"
+    key += "/int8-activations" if args.activations == "int8" else ""
     print(f"\nsaved {save(key, payload)} [{key}]")
 
 

@@ -96,10 +96,16 @@ class ModelRunner:
         self.weights = resolve_weights(config, self.device, gguf)
         self.dtype = torch.bfloat16 if self.weights == "bf16" else torch.float32  # of the float projection weights
         self.lm_head = resolve_lm_head(config, self.device)
+        if config.activations == "int8" and self.weights not in ("int4", "int8"):
+            raise NextokenError(f"activations=int8 applies to block weights (int4 or int8, on CPU); these weights "
+                                f"are {self.weights}")
+        self.activations = config.activations
         start = time.perf_counter()
         self.model = load_model(gguf, model_config, dtype=self.dtype, device=self.device,
                                 quant=self.weights if self.weights in ("int4", "int8") else None,
                                 quantize_head=self.lm_head == "int8")
+        if config.activations == "int8":
+            self.model.set_activations("int8")
         self.load_seconds = time.perf_counter() - start
         self._logits: torch.Tensor | None = None  # execute()'s logits buffer
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.

@@ -59,6 +59,16 @@ class CausalLM(nn.Module):
             return torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])
         return torch.nn.functional.linear(hidden, weight).float()
 
+    def set_activations(self, activations: str) -> None:
+        """How the projections' GEMM over block weights meets the activations: "int16" or "int8" codes per 32
+        values (BlockLinear.activations). The LM head keeps int16: its rounding would move every logit. The fused
+        decoder's structs are rebuilt to carry the choice."""
+        for module in self.modules():
+            if isinstance(module, BlockLinear):
+                module.activations = activations
+        if self.fused is not None:
+            self.fused = FusedDecoder.build(self)
+
     @property
     def head_weight(self) -> torch.Tensor:
         """The fp32 head (a block embedding has none: its tied head is always the `quantized_head`)."""

@@ -42,7 +42,8 @@ def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
     parts = [native.Part(p.kind, p.rows, projection.in_features, p.qs.data_ptr(), p.d.data_ptr(),
                          None if p.m is None else p.m.data_ptr()) for p in projection.parts]
     return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts),
-                         None if projection.panels is None else projection.panels.data_ptr())
+                         None if projection.panels is None else projection.panels.data_ptr(),
+                         int(projection.activations == "int8"))
 
 
 def _norm(norm: RMSNorm | None) -> int | None:

@@ -136,6 +136,9 @@ class BlockLinear(nn.Module):
         if sum(p.rows for p in parts) != self.out_features:
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
+        # How activations meet the blocks in the GEMM over them (products of more than max_rows rows, no panels):
+        # "int16" codes per 32 values, or "int8" ones (faster, less precise; see nt_block_gemm8).
+        self.activations = "int16"
         self.lib = native.library()
         # With AVX-512 VNNI the int16 GEMM over the blocks (nt_block_gemm) beats the fp32 one over panels for
         # every batch past the block kernels (measured beside block_igemm in kernels.c): no panels are kept.
@@ -205,7 +208,8 @@ class BlockLinear(nn.Module):
             return out
         at = 0
         for p in self.parts:
-            native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows], gemm=gemm)
+            native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows], gemm=gemm,
+                                int8_activations=self.activations == "int8")
             at += p.rows
         return out
 

@@ -26,6 +26,7 @@ class TraceOptions:
     weights: str = "auto"
     kv_dtype: str = "auto"
     lm_head: str = "auto"
+    activations: str = "int16"
     device: str = "auto"
     cuda_graphs: bool = True  # taken for the command line's sake: a traced run is always eager (hooks see each op)
     threads: int | None = None
@@ -50,7 +51,7 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
         raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
     console = console or make_console()
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
-              lm_head=options.lm_head, device=options.device, enable_prefix_caching=False, cuda_graphs=False,
+              lm_head=options.lm_head, activations=options.activations, device=options.device, enable_prefix_caching=False, cuda_graphs=False,
               threads=options.threads)
     if settings:
         runs = [run_request(llm, prompt, p, raw=options.raw, system=options.system,

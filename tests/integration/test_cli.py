@@ -114,6 +114,8 @@ def test_run_streams_from_stdin_with_tiny_model(tiny_llama: Path) -> None:
     (["run", "--kv-dtype", "fp8", "hi"], "argument --kv-dtype: invalid choice: 'fp8'"),
     (["run", "--weights", "int2", "hi"], "argument --weights: invalid choice: 'int2'"),
     (["run", "--threads", "0", "hi"], "invalid engine setting: threads=0"),
+    (["run", "--activations", "int4", "hi"], "argument --activations: invalid choice: 'int4'"),
+    (["run", "--weights", "bf16", "--activations", "int8", "hi"], "activations=int8 applies to block weights"),
     (["run", "--threads", "many", "hi"], "argument --threads/-t: invalid int value: 'many'"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:

@@ -198,6 +198,22 @@ def test_threads_must_be_a_positive_whole_number(threads: object) -> None:
         EngineConfig(threads=threads)  # type: ignore[arg-type]
 
 
+def test_activations_setting(tiny_llama: Path) -> None:
+    """`activations` names int16 or int8; int8 reaches every block projection (and the fused decode step), and is
+    refused, before anything loads, where the weights are not blocks."""
+    with pytest.raises(NextokenError, match="invalid engine setting: activations='int4'"):
+        EngineConfig(activations="int4")
+    with pytest.raises(NextokenError, match="activations=int8 applies to block weights .*these weights are fp32"):
+        _llm(tiny_llama, activations="int8")
+    llm = LLM(str(tiny_llama), weights="int4", activations="int8", device="cpu", kv_cache_bytes=8 << 20)
+    model = llm.engine.runner.model
+    assert llm.engine.runner.activations == "int8"
+    assert {layer.mlp.down_proj.activations for layer in model.layers} == {"int8"}
+    assert model.fused is not None and all(layer.qkv.int8_activations for layer in model.fused.layers)
+    out = llm.generate("the cat sat", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].token_ids) == 20
+
+
 def test_int8_head_keeps_greedy_tokens_and_top_logprobs(tiny: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
     exact = _llm(tiny, lm_head="fp32").generate(PROMPTS, params, use_tqdm=False)

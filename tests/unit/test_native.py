@@ -208,6 +208,54 @@ def test_int16_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> N
                         torch.set_num_threads(2)
 
 
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] as int8 codes per 32 values (absmax / 127, rounded to nearest even, in float32 as the kernel
+    computes it), dequantized in float64."""
+    b = x.float().unflatten(1, (-1, 32))
+    amax = b.abs().amax(-1, keepdim=True)
+    codes = torch.where(amax > 0, torch.round(b * (torch.full_like(amax, 127.0) / amax)), torch.zeros_like(b))
+    return (codes.double() * (amax / 127).double()).flatten(1)
+
+
+def test_int8_activation_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+    """block_matmul(gemm=True, int8_activations=True): with AVX-512 VNNI the activations meet the weights' codes as
+    int8 codes per 32 values in byte multiply-adds (signed weights against codes plus 128, that excess taken out
+    again): the float64 product of those rounded activations and the dequantized weight, to float rounding, and
+    measurably apart from the int16 route's result. Every format, row counts past whole tiles of six, column counts
+    past whole pairs of panels, 1-3 threads, strided rows. Without VNNI (the AVX2 build) the setting changes nothing:
+    the result is the int16 route's, bit for bit."""
+    gen = torch.Generator().manual_seed(8)
+    for n, k in ((5, 32), (33, 96), (70, 576), (16, 1536)):
+        parts = [q4_weight(*regroup(torch.randn(n, k, generator=gen))),
+                 q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen))),
+                 q8_weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+                           torch.rand(n, k // 16, generator=gen) / 10)]
+        for part in parts:
+            w = dequantized(part).double()
+            for rows in (1, 6, 13, 40):
+                x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+                expected = (int8_blocks(x) @ w.t()).float()
+                bound = 1e-6 * (x.abs().double() @ w.abs().t()).float() + 1e-6
+                for threads in (1, 2, 3):
+                    torch.set_num_threads(threads)
+                    try:
+                        outs = {}
+                        for name, library in (("vnni", lib), ("avx2", avx2)):
+                            for int8 in (False, True):
+                                out = torch.full((rows, n + 2), float("nan"))
+                                native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, out[:, 1:1 + n],
+                                                    gemm=True, int8_activations=int8)
+                                assert out[:, 0].isnan().all() and out[:, 1 + n].isnan().all()
+                                outs[name, int8] = out[:, 1:1 + n]
+                    finally:
+                        torch.set_num_threads(2)
+                    assert torch.equal(outs["avx2", True], outs["avx2", False])
+                    if lib.nt_has_vnni512():
+                        got = outs["vnni", True]
+                        assert ((got - expected).abs() <= bound).all(), (part.kind, n, k, rows, threads)
+                        assert (got - outs["vnni", False]).abs().max() > 100 * bound.max()  # not the int16 route
+
+
 @pytest.mark.parametrize("build", ["vectorized", "portable"])
 def test_stream_read_reads_every_word_once(build: str, lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     """The bandwidth floor's pass: the XOR of every 64-bit word of each tensor (a tail under 8 bytes left out),
@@ -320,7 +368,7 @@ def decode_step(net: torch.nn.Module, cfg: ModelConfig, pool: KVPool, tokens: li
     return net(torch.tensor(tokens), torch.tensor(lengths), pool.layers, meta)
 
 
-@pytest.mark.parametrize("products", ["blocks", "gemm", "int16"])
+@pytest.mark.parametrize("products", ["blocks", "gemm", "int16", "int8"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 @torch.inference_mode()
@@ -330,18 +378,24 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
     VNNI left none), as it does for batches of GEMM_MIN_ROWS rows or more (here from one row on), and so do the
     modules. The blocks are zeroed then, so a product that took them instead would show (the tiny files are float:
     their 4-bit blocks are a requantization). "int16": with AVX-512 VNNI and no panels, the int16 GEMM over the
-    blocks, from one row on, in the step and the modules."""
+    blocks, from one row on, in the step and the modules; "int8": the same with int8 activation codes
+    (set_activations), which the fused step's structs carry."""
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
     net = load_model(gguf, cfg, quant="int4", quantize_head=True)
     assert net.fused is not None
-    if products == "int16" and not native.library().nt_has_vnni512():
-        pytest.skip("this CPU has no AVX-512 VNNI: no int16 GEMM")
+    if products in ("int16", "int8") and not native.library().nt_has_vnni512():
+        pytest.skip("this CPU has no AVX-512 VNNI: no int16 or int8 GEMM")
+    if products == "int8":
+        net.set_activations("int8")
+        assert all(layer.attn.qkv_proj.activations == "int8" for layer in net.layers)
+        assert all(m.int8_activations for layer in net.fused.layers for m in (layer.qkv, layer.o, layer.gate_up,
+                                                                               layer.down))
     if products != "blocks":
         for module in net.modules():
             if isinstance(module, BlockLinear):
                 module.max_rows = 0
-                if products == "int16":
+                if products in ("int16", "int8"):
                     assert module.panels is None
                 else:
                     module.pack_panels()  # with VNNI there are none

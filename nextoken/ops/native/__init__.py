@@ -115,14 +115,16 @@ def _check(x: torch.Tensor) -> None:
 
 
 def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
-                 m: torch.Tensor | None, out: torch.Tensor, gemm: bool = False) -> None:
+                 m: torch.Tensor | None, out: torch.Tensor, gemm: bool = False, int8_activations: bool = False) -> None:
     """out [M, N] (a view with unit column stride) = x [M, K] fp32 @ W^T for a block-quantized W [N, K]:
     kind 4 (qs nibbles [N, K / 2], d and m fp16 [N, K / 32]), 8 (qs int8 [N, K], d fp16 [N, K / 32]) or 6 (qs int8,
     d fp32 [N, K / 16]); see nt_block_matmul. gemm: through the fp32 GEMM instead, the weight dequantized 16 rows at
-    a time (nt_block_gemm), for batches bound by compute, with no fp32 copy of the weight."""
+    a time (nt_block_gemm), for batches bound by compute, with no fp32 copy of the weight; with int8_activations,
+    where the CPU has AVX-512 VNNI, the GEMM meets the weights with int8 activation codes instead of int16
+    (nt_block_gemm8: faster, less precise)."""
     _check(x)
     rows, k = x.shape
-    fn = lib.nt_block_gemm if gemm else lib.nt_block_matmul
+    fn = (lib.nt_block_gemm8 if int8_activations else lib.nt_block_gemm) if gemm else lib.nt_block_matmul
     if fn(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
           None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads()):
         raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
@@ -145,6 +147,7 @@ _SIGNATURES["nt_sgemm"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64
 _SIGNATURES["nt_sgemm_pack"] = (None, [_ptr, _i64, _i64, _ptr, _i32])
 _SIGNATURES["nt_sgemm_packed_size"] = (_i64, [_i64, _i64])
 _SIGNATURES["nt_block_gemm"] = _SIGNATURES["nt_block_matmul"]
+_SIGNATURES["nt_block_gemm8"] = _SIGNATURES["nt_block_matmul"]
 
 
 PANEL = 16  # output columns per panel of a packed weight (nt_sgemm_pack)
@@ -359,7 +362,8 @@ MAX_PARTS = 4
 class Matrix(ctypes.Structure):
     """A projection as stacked parts (nt_matrix)."""
 
-    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS), ("panels", _ptr)]
+    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS), ("panels", _ptr),
+                ("int8_activations", _i64)]
 
 
 class Layer(ctypes.Structure):

@@ -1105,6 +1105,220 @@ static int block_igemm(int kind, const float *x, int64_t M, int64_t K, int64_t l
     free(xq.block);
     return failed ? -1 : 0;
 }
+
+/* ------------------------------------------- int8 GEMM over block weights, AVX-512 VNNI */
+
+/* The same products with the activations as int8 codes per 32 values (absmax / 127, as llama.cpp quantizes them):
+ * vpdpbusd takes 64 byte products a vector where vpdpwssd takes 32 of int16, at the cost of the activations'
+ * precision (see nt_block_gemm). A 32-bit lane of a panel holds 4 neighbouring codes of one weight row, in the
+ * order stored: a Q4 block's 16 bytes, transposed 4 at a time, give codes 4j..4j + 3 from their low nibbles and
+ * 4j + 16.. from their high ones, so both weights and activations stay in their natural order. vpdpbusd multiplies
+ * unsigned by signed bytes: Q4's codes (0..15) are the unsigned side against signed activation codes; signed
+ * weights (int8 codes) meet the activations' codes plus 128 (their sign bit flipped), the extra 128 times the
+ * weights' sum taken out by starting each group's sums at -128 times it (`bias`, per panel). */
+typedef struct {
+    uint8_t *codes[2];            /* [K / 4][16 rows][4] */
+    float *scale[2], *offset[2];  /* as ig_panels */
+    int32_t *bias[2];             /* [scale groups][16]: -128 times each row's codes' sum (int8 codes) */
+} bg_panels;
+
+/* x [K] -> int8 codes per 32 values in natural order (plus 128 where `flip`), d = absmax / 127, s = d * sum. */
+static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float *s, int flip) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const float db = max / 127.0f, inv = max > 0 ? 127.0f / max : 0.0f;
+        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv))); /* nearest, ties to even */
+        const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+        d[b] = db;
+        s[b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        const __m128i sign = _mm_set1_epi8(flip ? (char)0x80 : 0);
+        _mm_storeu_si128((__m128i *)(q + b * QK), _mm_xor_si128(_mm512_cvtepi32_epi8(c0), sign));
+        _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(c1), sign));
+    }
+}
+
+/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p's byte panels. */
+static void bg_widen(int kind, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N, int64_t K,
+                     const bg_panels *p, int prefetch) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, per = kind == 6 ? 4 : 8;
+    if (prefetch) {
+        const int64_t row_bytes = kind == 4 ? K / 2 : K;
+        const int64_t end = (n0 + 64 < N ? n0 + 64 : N) * row_bytes;
+        for (int64_t b = (n0 + 32) * row_bytes; b < end; b += 64) _mm_prefetch((const char *)qs + b, _MM_HINT_T1);
+    }
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int h = 0; h < 2; h++) {
+        __m512i *vecs = (__m512i *)p->codes[h];
+        if (kind != 4) {
+            for (int64_t c = 0; c < K; c += 64) {
+                const int full = K - c >= 64;
+                __m512i r[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    const int64_t n = n0 + 16 * h + i;
+                    r[i] = n >= N ? _mm512_setzero_si512()
+                                  : _mm512_maskz_loadu_epi8(full ? ~(__mmask64)0 : 0xFFFFFFFFull,
+                                                            (const int8_t *)qs + n * K + c);
+                }
+                transpose16_epi32(r); /* r[q]: codes 4q..4q + 3 of each row */
+                for (int q = 0; q < (full ? 16 : 8); q++) {
+                    const int64_t v = c / 4 + q;
+                    _mm512_storeu_si512(vecs + v, r[q]);
+                    /* sum of the 4 codes per lane: ones (unsigned) times the codes (signed) */
+                    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, r[q]);
+                    int32_t *bias = p->bias[h] + (v / per) * 16;
+                    const __m512i prev = v % per ? _mm512_loadu_si512(bias) : _mm512_setzero_si512();
+                    _mm512_storeu_si512(bias, _mm512_sub_epi32(prev, _mm512_slli_epi32(sum, 7)));
+                }
+            }
+        } else {
+            for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+                const int64_t have = groups - g0 < 4 ? groups - g0 : 4;
+                const __mmask64 bytes = have == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * have)) - 1;
+                const __m512i nibble = _mm512_set1_epi8(0x0F);
+                __m512i r[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    const int64_t n = n0 + 16 * h + i;
+                    r[i] = n >= N ? _mm512_setzero_si512()
+                                  : _mm512_maskz_loadu_epi8(bytes, (const uint8_t *)qs + n * (K / 2) + g0 * 16);
+                }
+                transpose16_epi32(r); /* r[u]: bytes 4j..4j + 3 (j = u % 4) of group g0 + u / 4 of each row */
+                for (int u = 0; u < 4 * have; u++) {
+                    __m512i *dst = vecs + (g0 + u / 4) * 8 + u % 4;
+                    _mm512_storeu_si512(dst, _mm512_and_si512(r[u], nibble));                         /* 4j.. */
+                    _mm512_storeu_si512(dst + 4, _mm512_and_si512(_mm512_srli_epi16(r[u], 4), nibble)); /* 4j + 16.. */
+                }
+            }
+        }
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t n = n0 + 16 * h + i;
+            for (int64_t g = 0; g < sg; g++) {
+                float scale = 0.0f;
+                if (n < N)
+                    scale = kind == 6 ? ((const float *)d)[n * sg + g] : half_to_float(((const uint16_t *)d)[n * groups + g]);
+                p->scale[h][g * 16 + i] = scale;
+            }
+            if (kind == 4)
+                for (int64_t g = 0; g < groups; g++) p->offset[h][g * 16 + i] = n < N ? half_to_float(m[n * groups + g]) : 0.0f;
+        }
+    }
+}
+
+typedef struct {
+    int8_t *q; /* codes [M, K] */
+    float *d, *s;
+} byte_rows;
+
+static inline __attribute__((always_inline)) void bg_tile(int kind, const int T, const byte_rows *xq, int64_t r0,
+                                                          int64_t K, const bg_panels *p, float *out, int64_t ldo,
+                                                          int64_t n0, int64_t cols) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, per = kind == 6 ? 4 : 8;
+    __m512 f[IG_ROWS][2];
+    for (int t = 0; t < T; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < sg; s++) {
+        const int64_t g = kind == 6 ? s / 2 : s;
+        __m512i a[IG_ROWS][2];
+        if (kind == 4) {
+            for (int t = 0; t < T; t++) a[t][0] = a[t][1] = _mm512_setzero_si512();
+        } else {
+            const __m512i b0 = _mm512_loadu_si512(p->bias[0] + s * 16), b1 = _mm512_loadu_si512(p->bias[1] + s * 16);
+            for (int t = 0; t < T; t++) a[t][0] = b0, a[t][1] = b1;
+        }
+        const uint8_t *w0 = p->codes[0] + s * per * 64, *w1 = p->codes[1] + s * per * 64;
+        const int8_t *xs = xq->q + r0 * K + s * per * 4;
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < per; k++) {
+            const __m512i v0 = _mm512_loadu_si512(w0 + k * 64), v1 = _mm512_loadu_si512(w1 + k * 64);
+            for (int t = 0; t < T; t++) {
+                int32_t four;
+                memcpy(&four, xs + t * K + 4 * k, 4);
+                const __m512i b = _mm512_set1_epi32(four);
+                if (kind == 4) {
+                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], v0, b);
+                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], v1, b);
+                } else {
+                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], b, v0);
+                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], b, v1);
+                }
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
+        for (int t = 0; t < T; t++) {
+            const __m512 dx = _mm512_set1_ps(xq->d[(r0 + t) * groups + g]);
+            f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][0]), _mm512_mul_ps(d0, dx), f[t][0]);
+            f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][1]), _mm512_mul_ps(d1, dx), f[t][1]);
+        }
+        if (kind == 4) {
+            const __m512 m0 = _mm512_loadu_ps(p->offset[0] + s * 16), m1 = _mm512_loadu_ps(p->offset[1] + s * 16);
+            for (int t = 0; t < T; t++) {
+                const __m512 sx = _mm512_set1_ps(xq->s[(r0 + t) * groups + g]);
+                f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
+                f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
+            }
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int t = 0; t < T; t++) {
+        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0, k0, f[t][0]);
+        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0 + 16, k1, f[t][1]);
+    }
+}
+
+static inline __attribute__((always_inline)) void bg_rows(int kind, const byte_rows *xq, int64_t M, int64_t K,
+                                                          const bg_panels *p, float *out, int64_t ldo, int64_t n0,
+                                                          int64_t cols) {
+    int64_t r0 = 0;
+    for (; r0 + IG_ROWS <= M; r0 += IG_ROWS) bg_tile(kind, IG_ROWS, xq, r0, K, p, out, ldo, n0, cols);
+    switch (M - r0) {
+    case 1: bg_tile(kind, 1, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 2: bg_tile(kind, 2, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 3: bg_tile(kind, 3, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 4: bg_tile(kind, 4, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 5: bg_tile(kind, 5, xq, r0, K, p, out, ldo, n0, cols); break;
+    default: break;
+    }
+}
+
+static int block_bgemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                       const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
+    byte_rows xq;
+    void *rows = malloc((size_t)(M * K + 2 * M * groups * (int64_t)sizeof(float)) + 64);
+    if (!rows) return -1;
+    xq.d = (float *)rows;
+    xq.s = xq.d + M * groups;
+    xq.q = (int8_t *)(xq.s + M * groups);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row8(x + r * ldx, K, xq.q + r * K, xq.d + r * groups, xq.s + r * groups, kind != 4);
+    const int64_t pairs_of_panels = (N + 31) / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && pairs_of_panels > 1)
+    {
+        bg_panels p;
+        void *block = malloc((size_t)(2 * 16 * K + 3 * 2 * sg * 16 * 4) + 64);
+        if (!block) failed = 1;
+        else {
+            p.codes[0] = (uint8_t *)block, p.codes[1] = p.codes[0] + 16 * K;
+            p.scale[0] = (float *)(p.codes[1] + 16 * K), p.scale[1] = p.scale[0] + sg * 16;
+            p.offset[0] = p.scale[1] + sg * 16, p.offset[1] = p.offset[0] + sg * 16;
+            p.bias[0] = (int32_t *)(p.offset[1] + sg * 16), p.bias[1] = p.bias[0] + sg * 16;
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < pairs_of_panels; c++) {
+            if (!block) continue;
+            const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
+            bg_widen(kind, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS);
+            if (kind == 4) bg_rows(4, &xq, M, K, &p, out, ldo, n0, cols);
+            else if (kind == 8) bg_rows(8, &xq, M, K, &p, out, ldo, n0, cols);
+            else bg_rows(6, &xq, M, K, &p, out, ldo, n0, cols);
+        }
+        free(block);
+    }
+    free(rows);
+    return failed ? -1 : 0;
+}
 #endif
 
 /* nt_block_matmul's product through a GEMM, for batches bound by compute: with AVX-512 VNNI the int16 one
@@ -1137,6 +1351,21 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
         free(rows);
     }
     return failed ? -1 : 0;
+}
+
+/* nt_block_gemm with the activations as int8 codes per 32 values (block_bgemm), where the CPU has AVX-512 VNNI: a
+ * layer's projections of SmolLM2 at 512 rows 10.95 -> 6.41 ms (565 GOP/s; Q8 7.04 ms), at 64 rows 2.22 -> 1.38 ms,
+ * at the activations' precision: absmax / 127 per 32, as llama.cpp quantizes them, where int16 codes keep steps 258
+ * times finer (teacher-forced top-1 agreement with the reference 98.2% for SmolLM2 and 98.6% for Gemma 3, KL
+ * 2.6e-3 / 1.5e-3, where int16 gives 100%). Elsewhere the same as nt_block_gemm. */
+int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                   const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+#ifdef NT_VNNI512
+    if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
+    return block_bgemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+#else
+    return nt_block_gemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+#endif
 }
 
 /* ------------------------------------------------------------ file blocks */
@@ -1755,6 +1984,7 @@ typedef struct {
     int64_t num_parts, n;
     nt_part parts[4];
     const float *panels;
+    int64_t int8_activations; /* products of many rows over the blocks by nt_block_gemm8 */
 } nt_matrix;
 
 typedef struct {
@@ -1787,8 +2017,8 @@ static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];
-        status |= (gemm ? nt_block_gemm : nt_block_matmul)((int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m,
-                                                           out + at, w->n, threads);
+        status |= (!gemm ? nt_block_matmul : w->int8_activations ? nt_block_gemm8 : nt_block_gemm)(
+            (int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m, out + at, w->n, threads);
     }
     return status;
 }
