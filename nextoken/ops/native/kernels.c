@@ -2165,6 +2165,38 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
 #define PF_TILE 4  /* queries whose scores are accumulated together */
 
 
+/* o rows 0..PF_TILE - 1 (D floats apart; those from nr on are neither read nor written) = alpha[r] * o[r] plus the
+ * value rows from..to - 1 weighted by p[r], for NVC vectors of 16 from column d: each value vector is loaded once
+ * for the tile's queries (a query at a time loaded it once per query, a load per multiply-add). */
+static inline __attribute__((always_inline)) void weighted_tile_cols(const int NVC, float *o, const float *const *rows,
+                                                                     const float p[][PF_KEYS], const float *alpha,
+                                                                     int64_t from, int64_t to, int64_t D, int64_t d,
+                                                                     int64_t nr) {
+    __m512 a[PF_TILE][4];
+    for (int r = 0; r < PF_TILE; r++)
+        for (int c = 0; c < NVC; c++)
+            a[r][c] = r < nr ? _mm512_mul_ps(_mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o + r * D + d + 16 * c))
+                             : _mm512_setzero_ps();
+    for (int64_t i = from; i < to; i++) {
+        __m512 v[4];
+        for (int c = 0; c < NVC; c++) v[c] = _mm512_loadu_ps(rows[i] + d + 16 * c);
+        for (int r = 0; r < PF_TILE; r++) {
+            const __m512 w = _mm512_set1_ps(p[r][i]);
+            for (int c = 0; c < NVC; c++) a[r][c] = _mm512_fmadd_ps(w, v[c], a[r][c]);
+        }
+    }
+    for (int r = 0; r < PF_TILE && r < nr; r++)
+        for (int c = 0; c < NVC; c++) _mm512_storeu_ps(o + r * D + d + 16 * c, a[r][c]);
+}
+
+static void weighted_tile(float *o, const float *const *rows, const float p[][PF_KEYS], const float *alpha,
+                          int64_t from, int64_t to, int64_t D, int64_t nr) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) weighted_tile_cols(4, o, rows, p, alpha, from, to, D, d, nr);
+    if (D - d >= 32) weighted_tile_cols(2, o, rows, p, alpha, from, to, D, d, nr), d += 32;
+    if (D - d >= 16) weighted_tile_cols(1, o, rows, p, alpha, from, to, D, d, nr);
+}
+
 /* One task of nt_prefill_attention: query head h, queries [t0, t1), as flash attention does it: keys PF_KEYS at
  * a time, each query's running maximum m, sum l and unnormalized output o (scratch) rescaled as the maximum
  * grows. Scores of PF_TILE queries against PF_KEYS keys come from K transposed (kt [D][S] of this kv head): a key
@@ -2177,7 +2209,6 @@ static void prefill_task(const float *q, const float *kt, const float *v, float 
     const int64_t last = shift + t1 - 1, first = window > 0 && shift + t0 - window + 1 > 0 ? shift + t0 - window + 1 : 0;
     for (int64_t r = 0; r < n; r++) m[r] = -INFINITY, l[r] = 0.0f;
     memset(o, 0, (size_t)(n * D) * sizeof(float));
-    float p[PF_KEYS];
     const float *vrows[PF_KEYS];
     const __m512 ninf = _mm512_set1_ps(-INFINITY), sv = _mm512_set1_ps(scale);
     for (int64_t j0 = first / 16 * 16; j0 <= last; j0 += PF_KEYS) {
@@ -2206,7 +2237,12 @@ static void prefill_task(const float *q, const float *kt, const float *v, float 
             float sc[PF_TILE][PF_KEYS]; /* out of the registers (indexing acc by a variable row would spill it) */
             for (int r = 0; r < PF_TILE; r++)
                 for (int c = 0; c < NV; c++) _mm512_storeu_ps(sc[r] + 16 * c, acc[r][c]);
-            for (int64_t r = 0; r < nr; r++) {
+            float pr[PF_TILE][PF_KEYS], alphas[PF_TILE]; /* each query's weights (zero off its keys), rescale */
+            int64_t ka = PF_KEYS, kb = 0;                 /* the keys of any of them */
+            for (int64_t r = 0; r < PF_TILE; r++) {
+                alphas[r] = 1.0f;
+                for (int c = 0; c < NV; c++) _mm512_storeu_ps(pr[r] + 16 * c, _mm512_setzero_ps());
+                if (r >= nr) continue;
                 const int64_t row = r0 + r, pos = shift + t0 + row;
                 const int64_t lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
                 /* keys lo..pos of this query among j0..j0 + PF_KEYS - 1 */
@@ -2231,12 +2267,14 @@ static void prefill_task(const float *q, const float *kt, const float *v, float 
                     if (!mk[c]) continue;
                     const __m512 e = _mm512_maskz_mov_ps(mk[c], exp512_ps(_mm512_sub_ps(sr[c], mv)));
                     total = _mm512_add_ps(total, e);
-                    _mm512_storeu_ps(p + 16 * c, e);
+                    _mm512_storeu_ps(pr[r] + 16 * c, e);
                 }
                 l[row] = l[row] * alpha + _mm512_reduce_add_ps(total);
                 m[row] = mnew;
-                weighted_rows512(o + row * D, vrows, 0, p, a, b, D, alpha);
+                alphas[r] = alpha;
+                ka = a < ka ? a : ka, kb = b > kb ? b : kb;
             }
+            if (kb > ka) weighted_tile(o + r0 * D, vrows, (const float(*)[PF_KEYS])pr, alphas, ka, kb, D, nr);
         }
     }
     for (int64_t r = 0; r < n; r++) {
