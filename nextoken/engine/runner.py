@@ -106,6 +106,9 @@ class ModelRunner:
                                 quantize_head=self.lm_head == "int8")
         if config.activations == "int8":
             self.model.set_activations("int8")
+            lib = native.library()
+            if lib is None or not lib.nt_has_vnni512():
+                logger.warning("activations=int8 needs AVX-512 VNNI, which this CPU lacks: it changes nothing here")
         self.load_seconds = time.perf_counter() - start
         self._logits: torch.Tensor | None = None  # execute()'s logits buffer
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
