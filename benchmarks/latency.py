@@ -2,18 +2,18 @@
 
 Run: .venv/bin/python -m benchmarks.latency [--weights fp32 bf16 int8 int4] [--kv-dtypes fp32 bf16 int8]
      [--models ...] [--repeats N] [--llama-bench PATH [--turns N]] [--transformers PYTHON]
-Both go through the engine exactly as a user's request does. Prefill is timed from scheduling to the first token
-(one forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that
-512-token prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians
-of N runs, the prefix cache off so every run computes its whole prompt. Printed beside ANCHORS.md's figures with
-ratios; the first weight format (fp32) is the in-run baseline for the others, block formats run again with int8
-activation codes (`activations="int8"`). With --llama-bench (a llama-bench
-binary the user built), llama.cpp runs on the same GGUF file in the same run (`-p 512 -n 128`, the machine's thread
-count) and the ratios to it are printed too. Then each KV cache format with the default weights: decode tok/s over
-the same 512-token context, and how many tokens a 1 GiB pool holds. With --turns N, only the default formats and
-llama.cpp, taking turns N times (see head_to_head): the ratio to use on a machine whose speed drifts. With
---transformers (a Python that has transformers, gguf and accelerate), transformers fp32 and bf16 run on the same file in the same
-run too (benchmarks/transformers_baseline.py) and the ratios to them are printed.
+Both go through the engine exactly as a user's request does. Prefill is timed from scheduling to the first token (one
+forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that 512-token
+prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians of N runs,
+the prefix cache off so every run computes its whole prompt. Printed beside ANCHORS.md's figures with ratios; the
+first weight format (fp32) is the in-run baseline for the others, block formats run again with int8 activation codes
+(`activations="int8"`). With --llama-bench (a llama-bench binary the user built), llama.cpp runs on the same GGUF file
+in the same run (`-p 512 -n 128`, the machine's thread count) and the ratios to it are printed too. Then each KV cache
+format with the default weights: decode tok/s over the same 512-token context, and how many tokens a 1 GiB pool holds.
+With --turns N, only the default formats and llama.cpp, taking turns N times (see head_to_head): the ratio to use on a
+machine whose speed drifts. With --transformers (a Python that has transformers, gguf and accelerate), transformers
+fp32 and bf16 run on the same file in the same run too (benchmarks/transformers_baseline.py) and the ratios to them
+are printed.
 """
 
 from __future__ import annotations

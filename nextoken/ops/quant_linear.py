@@ -141,7 +141,7 @@ class BlockLinear(nn.Module):
         self.activations = "int16"
         self.lib = native.library()
         # With AVX-512 VNNI the int16 GEMM over the blocks (nt_block_gemm) beats the fp32 one over panels for
-        # every batch past the block kernels (measured beside block_igemm in kernels.c): no panels are kept.
+        # every batch past the block kernels (measured beside block_gemm_codes in kernels.c): no panels are kept.
         vnni = self.lib is not None and bool(self.lib.nt_has_vnni512())
         packed = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):

@@ -51,8 +51,8 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
         raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
     console = console or make_console()
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
-              lm_head=options.lm_head, activations=options.activations, device=options.device, enable_prefix_caching=False, cuda_graphs=False,
-              threads=options.threads)
+              lm_head=options.lm_head, activations=options.activations, device=options.device,
+              enable_prefix_caching=False, cuda_graphs=False, threads=options.threads)
     if settings:
         runs = [run_request(llm, prompt, p, raw=options.raw, system=options.system,
                             tracer=RecordingTracer(top_k=options.top_k)) for p in settings]

@@ -175,37 +175,51 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
         native.sgemm(kernels, torch.randn(2, 8), native.pack(kernels, torch.randn(4, 9)), 4, torch.empty(2, 4))
 
 
-def test_int16_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
-    """With AVX-512 VNNI, products of many rows over block weights (block_matmul with gemm=True) meet the weights'
-    integer codes with int16 activation codes in 16-bit multiply-adds: within the activations' rounding of a float64
-    product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. Every format (Q4 with its offsets,
-    Q8, Q8 in halves), row counts past whole tiles of six, column counts past whole pairs of 16-column panels,
-    1-3 threads, rows of x and out with strides of their own."""
-    if not lib.nt_has_vnni512():
-        pytest.skip("this CPU has no AVX-512 VNNI: block_matmul(gemm=True) is the fp32 GEMM, tested above")
-    gen = torch.Generator().manual_seed(6)
+def gemm_cases(seed: int):  # noqa: ANN201 - yields (BlockWeight, Tensor, Tensor)
+    """(part, its dequantized weight in float64, x) for products of many rows: every block format (Q4 with its
+    offsets, Q8, Q8 in halves with codes over their whole range), column counts past whole pairs of 16-column
+    panels, row counts past whole tiles of six, rows of x with a stride of their own."""
+    gen = torch.Generator().manual_seed(seed)
     for n, k in ((5, 32), (33, 96), (70, 576), (16, 1536)):
         parts = [q4_weight(*regroup(torch.randn(n, k, generator=gen))),
                  q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen))),
-                 q8_weight(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
+                 q8_weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
                            torch.rand(n, k // 16, generator=gen) / 10)]
         for part in parts:
-            w = dequantized(part)
+            w = dequantized(part).double()
             for rows in (1, 5, 6, 13, 40):
-                x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
-                expected = (x.double() @ w.double().t()).float()
-                bound = 3e-5 * (x.abs().double() @ w.abs().double().t()).float() + 1e-6
-                for threads in (1, 2, 3):
-                    torch.set_num_threads(threads)
-                    try:
-                        for library in (lib, avx2):
-                            out = torch.full((rows, n + 2), float("nan"))
-                            native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, out[:, 1:1 + n],
-                                                gemm=True)
-                            assert ((out[:, 1:1 + n] - expected).abs() <= bound).all(), (part.kind, n, k, rows)
-                            assert out[:, 0].isnan().all() and out[:, 1 + n].isnan().all()  # nothing past the view
-                    finally:
-                        torch.set_num_threads(2)
+                yield part, w, torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+
+
+def gemm_out(library: ctypes.CDLL, part: BlockWeight, x: torch.Tensor, threads: int,
+             int8_activations: bool = False) -> torch.Tensor:
+    """block_matmul(gemm=True) on `threads` threads into a view with a column of NaN on each side, which must stay
+    untouched."""
+    n = part.qs.shape[0]
+    out = torch.full((x.shape[0], n + 2), float("nan"))
+    torch.set_num_threads(threads)
+    try:
+        native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, out[:, 1:1 + n], gemm=True,
+                            int8_activations=int8_activations)
+    finally:
+        torch.set_num_threads(2)
+    assert out[:, 0].isnan().all() and out[:, 1 + n].isnan().all()  # nothing past the view
+    return out[:, 1:1 + n]
+
+
+def test_int16_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+    """With AVX-512 VNNI, products of many rows over block weights (block_matmul with gemm=True) meet the weights'
+    integer codes with int16 activation codes in 16-bit multiply-adds: within the activations' rounding of a float64
+    product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. gemm_cases' shapes, 1-3 threads."""
+    if not lib.nt_has_vnni512():
+        pytest.skip("this CPU has no AVX-512 VNNI: block_matmul(gemm=True) is the fp32 GEMM, tested above")
+    for part, w, x in gemm_cases(6):
+        expected = (x.double() @ w.t()).float()
+        bound = 3e-5 * (x.abs().double() @ w.abs().t()).float() + 1e-6
+        for threads in (1, 2, 3):
+            for library in (lib, avx2):
+                got = gemm_out(library, part, x, threads)
+                assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0])
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -221,39 +235,17 @@ def test_int8_activation_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.
     """block_matmul(gemm=True, int8_activations=True): with AVX-512 VNNI the activations meet the weights' codes as
     int8 codes per 32 values in byte multiply-adds (signed weights against codes plus 128, that excess taken out
     again): the float64 product of those rounded activations and the dequantized weight, to float rounding, and
-    measurably apart from the int16 route's result. Every format, row counts past whole tiles of six, column counts
-    past whole pairs of panels, 1-3 threads, strided rows. Without VNNI (the AVX2 build) the setting changes nothing:
-    the result is the int16 route's, bit for bit."""
-    gen = torch.Generator().manual_seed(8)
-    for n, k in ((5, 32), (33, 96), (70, 576), (16, 1536)):
-        parts = [q4_weight(*regroup(torch.randn(n, k, generator=gen))),
-                 q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen))),
-                 q8_weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
-                           torch.rand(n, k // 16, generator=gen) / 10)]
-        for part in parts:
-            w = dequantized(part).double()
-            for rows in (1, 6, 13, 40):
-                x = torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
-                expected = (int8_blocks(x) @ w.t()).float()
-                bound = 1e-6 * (x.abs().double() @ w.abs().t()).float() + 1e-6
-                for threads in (1, 2, 3):
-                    torch.set_num_threads(threads)
-                    try:
-                        outs = {}
-                        for name, library in (("vnni", lib), ("avx2", avx2)):
-                            for int8 in (False, True):
-                                out = torch.full((rows, n + 2), float("nan"))
-                                native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, out[:, 1:1 + n],
-                                                    gemm=True, int8_activations=int8)
-                                assert out[:, 0].isnan().all() and out[:, 1 + n].isnan().all()
-                                outs[name, int8] = out[:, 1:1 + n]
-                    finally:
-                        torch.set_num_threads(2)
-                    assert torch.equal(outs["avx2", True], outs["avx2", False])
-                    if lib.nt_has_vnni512():
-                        got = outs["vnni", True]
-                        assert ((got - expected).abs() <= bound).all(), (part.kind, n, k, rows, threads)
-                        assert (got - outs["vnni", False]).abs().max() > 100 * bound.max()  # not the int16 route
+    measurably apart from the int16 route's result. gemm_cases' shapes, 1-3 threads. Without VNNI (the AVX2 build)
+    the setting changes nothing: the result is the int16 route's, bit for bit."""
+    for part, w, x in gemm_cases(8):
+        expected = (int8_blocks(x) @ w.t()).float()
+        bound = 1e-6 * (x.abs().double() @ w.abs().t()).float() + 1e-6
+        for threads in (1, 2, 3):
+            assert torch.equal(gemm_out(avx2, part, x, threads, True), gemm_out(avx2, part, x, threads))
+            if lib.nt_has_vnni512():
+                got = gemm_out(lib, part, x, threads, True)
+                assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0], threads)
+                assert (got - gemm_out(lib, part, x, threads)).abs().max() > 100 * bound.max()  # not int16's
 
 
 @pytest.mark.parametrize("build", ["vectorized", "portable"])

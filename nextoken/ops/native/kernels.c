@@ -890,10 +890,13 @@ int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t
  * times as long, no faster). */
 #define IG_PREFETCH_ROWS 128
 
+/* A thread's two panels of 16 weight rows each: their codes as the GEMM takes them (int16 pairs, or bytes) and their
+ * scales. */
 typedef struct {
-    int16_t *codes[2];
-    float *scale[2], *offset[2]; /* [groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
-} ig_panels;
+    void *codes[2];              /* int16: [K / 2][16 rows][2]; bytes: [K / 4][16 rows][4] */
+    float *scale[2], *offset[2]; /* [scale groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
+    int32_t *bias[2];            /* bytes of int8 codes: [scale groups][16], -128 times each row's codes' sum */
+} gemm_panels;
 
 /* r[i] lane c -> r[c] lane i, for 16 vectors of 16 int32: pairs within 128-bit lanes, then 4 x 4 blocks of lanes. */
 static inline void transpose16_epi32(__m512i r[16]) {
@@ -909,7 +912,8 @@ static inline void transpose16_epi32(__m512i r[16]) {
         r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     for (int j = 0; j < 4; j++) {
-        const __m512i ab02 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), ab13 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
+        const __m512i ab02 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88);
+        const __m512i ab13 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xDD);
         const __m512i cd02 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88);
         const __m512i cd13 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xDD);
         t[j] = _mm512_shuffle_i32x4(ab02, cd02, 0x88);
@@ -920,11 +924,11 @@ static inline void transpose16_epi32(__m512i r[16]) {
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
 
-/* The order of activation codes that matches the pairs the weights widen into (ig_widen), per 32 codes. A 32-bit lane of a byte
- * transpose holds four neighbouring bytes of a row, and 16-bit shifts and masks of it give pairs of every other
- * one as int16: int8 codes 4q..4q + 3 give the pairs (4q, 4q + 2), (4q + 1, 4q + 3); Q4 bytes 4j..4j + 3 of a
- * block hold codes 4j.. (low nibbles) and 4j + 16.. (high), so a block's pairs are (4j, 4j + 2), (4j + 1, 4j + 3),
- * (4j + 16, 4j + 18), (4j + 17, 4j + 19) for j = 0..3. Rows of K codes, K a multiple of 32. */
+/* The order of activation codes that matches the pairs the weights widen into (gemm_widen), per 32 codes. A 32-bit
+ * lane of a byte transpose holds four neighbouring bytes of a row, and 16-bit shifts and masks of it give pairs of
+ * every other one as int16: int8 codes 4q..4q + 3 give the pairs (4q, 4q + 2), (4q + 1, 4q + 3); Q4 bytes
+ * 4j..4j + 3 of a block hold codes 4j.. (low nibbles) and 4j + 16.. (high), so a block's pairs are (4j, 4j + 2),
+ * (4j + 1, 4j + 3), (4j + 16, 4j + 18), (4j + 17, 4j + 19) for j = 0..3. Rows of K codes, K a multiple of 32. */
 static __m512i ig_pair_order(int kind) {
     int16_t at[32];
     for (int i = 0; i < 32; i++)
@@ -932,181 +936,6 @@ static __m512i ig_pair_order(int kind) {
                                     : 4 * (i / 4) + (i / 2) % 2 + 2 * (i % 2)); /* code of pair i / 2, item i % 2 */
     return _mm512_loadu_si512(at); /* for vpermw: slot i takes code at[i] */
 }
-
-/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p: per panel, vector k holds pair k
- * (in ig_pair_order's order) of each of its 16 rows, as int16. */
-static void ig_widen(int kind, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N, int64_t K,
-                     const ig_panels *p, int prefetch) {
-    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
-    if (prefetch) { /* the next panel's rows into L2 */
-        const int64_t row_bytes = kind == 4 ? K / 2 : K;
-        const int64_t end = (n0 + 64 < N ? n0 + 64 : N) * row_bytes;
-        for (int64_t b = (n0 + 32) * row_bytes; b < end; b += 64) _mm_prefetch((const char *)qs + b, _MM_HINT_T1);
-    }
-    for (int h = 0; h < 2; h++) {
-        __m512i *pairs = (__m512i *)p->codes[h];
-        if (kind != 4) { /* int8 codes: transposed as bytes, 64 per row at a time, then widened (ig_pair_order) */
-            for (int64_t c = 0; c < K; c += 64) {
-                const int full = K - c >= 64; /* else one last group of 32 */
-                __m512i r[16];
-                for (int64_t i = 0; i < 16; i++) {
-                    const int64_t n = n0 + 16 * h + i;
-                    r[i] = n >= N ? _mm512_setzero_si512()
-                                  : _mm512_maskz_loadu_epi8(full ? ~(__mmask64)0 : 0xFFFFFFFFull,
-                                                            (const int8_t *)qs + n * K + c);
-                }
-                transpose16_epi32(r); /* r[q]: codes 4q..4q + 3 of each row */
-                for (int q = 0; q < (full ? 16 : 8); q++) {
-                    _mm512_storeu_si512(pairs + c / 2 + 2 * q, _mm512_srai_epi16(_mm512_slli_epi16(r[q], 8), 8));
-                    _mm512_storeu_si512(pairs + c / 2 + 2 * q + 1, _mm512_srai_epi16(r[q], 8));
-                }
-            }
-        } else {
-            for (int64_t g0 = 0; g0 < groups; g0 += 4) { /* Q4: the nibbles of 4 groups a row at a time */
-                const int64_t have = groups - g0 < 4 ? groups - g0 : 4;
-                const __mmask64 bytes = have == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * have)) - 1;
-                const __m512i nibble = _mm512_set1_epi8(0x0F), low = _mm512_set1_epi16(0x00FF);
-                __m512i r[16];
-                for (int64_t i = 0; i < 16; i++) {
-                    const int64_t n = n0 + 16 * h + i;
-                    r[i] = n >= N ? _mm512_setzero_si512()
-                                  : _mm512_maskz_loadu_epi8(bytes, (const uint8_t *)qs + n * (K / 2) + g0 * 16);
-                }
-                transpose16_epi32(r); /* r[u]: bytes 4j..4j + 3 (j = u % 4) of group g0 + u / 4 of each row */
-                for (int u = 0; u < 4 * have; u++) {
-                    const __m512i lo = _mm512_and_si512(r[u], nibble); /* codes 4j..4j + 3 */
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[u], 4), nibble); /* 4j + 16.. */
-                    __m512i *dst = pairs + g0 * 16 + 4 * u;
-                    _mm512_storeu_si512(dst, _mm512_and_si512(lo, low));
-                    _mm512_storeu_si512(dst + 1, _mm512_srli_epi16(lo, 8));
-                    _mm512_storeu_si512(dst + 2, _mm512_and_si512(hi, low));
-                    _mm512_storeu_si512(dst + 3, _mm512_srli_epi16(hi, 8));
-                }
-            }
-        }
-        for (int64_t i = 0; i < 16; i++) {
-            const int64_t n = n0 + 16 * h + i;
-            for (int64_t g = 0; g < sg; g++) {
-                float scale = 0.0f;
-                if (n < N)
-                    scale = kind == 6 ? ((const float *)d)[n * sg + g] : half_to_float(((const uint16_t *)d)[n * groups + g]);
-                p->scale[h][g * 16 + i] = scale;
-            }
-            if (kind == 4)
-                for (int64_t g = 0; g < groups; g++) p->offset[h][g * 16 + i] = n < N ? half_to_float(m[n * groups + g]) : 0.0f;
-        }
-    }
-}
-
-/* out rows r0..r0 + T - 1, columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (codes xq) by the panels. */
-static inline __attribute__((always_inline)) void ig_tile(int kind, const int T, const quantized_rows *xq,
-                                                          int64_t r0, int64_t K, const ig_panels *p, float *out,
-                                                          int64_t ldo, int64_t n0, int64_t cols) {
-    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, pairs = kind == 6 ? 8 : 16;
-    __m512 f[IG_ROWS][2];
-    for (int t = 0; t < T; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < sg; s++) {
-        const int64_t g = kind == 6 ? s / 2 : s; /* the activations' scale group */
-        __m512i a[IG_ROWS][2];
-        for (int t = 0; t < T; t++) a[t][0] = a[t][1] = _mm512_setzero_si512();
-        const int16_t *w0 = p->codes[0] + s * pairs * 32, *w1 = p->codes[1] + s * pairs * 32;
-        const int16_t *xs = xq->q + r0 * K + s * pairs * 2;
-        /* Unrolled, the accumulators stay in their registers (otherwise copied each pass: 3-6% of a model's
-         * projections at 64 and 512 rows). */
-#pragma GCC unroll 16
-        for (int64_t k = 0; k < pairs; k++) {
-            const __m512i v0 = _mm512_loadu_si512(w0 + k * 32), v1 = _mm512_loadu_si512(w1 + k * 32);
-            for (int t = 0; t < T; t++) {
-                int32_t both;
-                memcpy(&both, xs + t * K + 2 * k, 4);
-                const __m512i b = _mm512_set1_epi32(both);
-                a[t][0] = _mm512_dpwssd_epi32(a[t][0], v0, b);
-                a[t][1] = _mm512_dpwssd_epi32(a[t][1], v1, b);
-            }
-        }
-        const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
-        for (int t = 0; t < T; t++) {
-            const __m512 dx = _mm512_set1_ps(xq->d[(r0 + t) * groups + g]);
-            f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][0]), _mm512_mul_ps(d0, dx), f[t][0]);
-            f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][1]), _mm512_mul_ps(d1, dx), f[t][1]);
-        }
-        if (kind == 4) {
-            const __m512 m0 = _mm512_loadu_ps(p->offset[0] + s * 16), m1 = _mm512_loadu_ps(p->offset[1] + s * 16);
-            for (int t = 0; t < T; t++) {
-                const __m512 sx = _mm512_set1_ps(xq->s[(r0 + t) * groups + g]);
-                f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
-                f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
-            }
-        }
-    }
-    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-    for (int t = 0; t < T; t++) {
-        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0, k0, f[t][0]);
-        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0 + 16, k1, f[t][1]);
-    }
-}
-
-static inline __attribute__((always_inline)) void ig_rows(int kind, const quantized_rows *xq, int64_t M, int64_t K,
-                                                          const ig_panels *p, float *out, int64_t ldo, int64_t n0,
-                                                          int64_t cols) {
-    int64_t r0 = 0;
-    for (; r0 + IG_ROWS <= M; r0 += IG_ROWS) ig_tile(kind, IG_ROWS, xq, r0, K, p, out, ldo, n0, cols);
-    switch (M - r0) {
-    case 1: ig_tile(kind, 1, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 2: ig_tile(kind, 2, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 3: ig_tile(kind, 3, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 4: ig_tile(kind, 4, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 5: ig_tile(kind, 5, xq, r0, K, p, out, ldo, n0, cols); break;
-    default: break;
-    }
-}
-
-static int block_igemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                       const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
-    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
-    quantized_rows xq;
-    xq.block = malloc((size_t)(M * K * 2 + 2 * M * groups * (int64_t)sizeof(float)) + 64);
-    if (!xq.block) return -1;
-    xq.d = (float *)xq.block;
-    xq.s = xq.d + M * groups;
-    xq.q = (int16_t *)(xq.s + M * groups);
-    const __m512i order = ig_pair_order(kind);
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
-    for (int64_t r = 0; r < M; r++) {
-        int16_t *q = xq.q + r * K;
-        quantize_row16(x + r * ldx, K, q, xq.d + r * groups, xq.s + r * groups, 0);
-        for (int64_t i = 0; i < K; i += 32)
-            _mm512_storeu_si512(q + i, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(q + i)));
-    }
-    const int64_t pairs_of_panels = (N + 31) / 32;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && pairs_of_panels > 1)
-    {
-        ig_panels p;
-        void *block = malloc((size_t)(2 * 16 * K * 2 + 2 * 2 * sg * 16 * (int64_t)sizeof(float)) + 64);
-        if (!block) failed = 1;
-        else {
-            p.codes[0] = (int16_t *)block, p.codes[1] = p.codes[0] + 16 * K;
-            p.scale[0] = (float *)(p.codes[1] + 16 * K), p.scale[1] = p.scale[0] + sg * 16;
-            p.offset[0] = p.scale[1] + sg * 16, p.offset[1] = p.offset[0] + sg * 16;
-        }
-#pragma omp for schedule(static)
-        for (int64_t c = 0; c < pairs_of_panels; c++) {
-            if (!block) continue;
-            const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
-            ig_widen(kind, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS);
-            if (kind == 4) ig_rows(4, &xq, M, K, &p, out, ldo, n0, cols);
-            else if (kind == 8) ig_rows(8, &xq, M, K, &p, out, ldo, n0, cols);
-            else ig_rows(6, &xq, M, K, &p, out, ldo, n0, cols);
-        }
-        free(block);
-    }
-    free(xq.block);
-    return failed ? -1 : 0;
-}
-
-/* ------------------------------------------- int8 GEMM over block weights, AVX-512 VNNI */
 
 /* The same products with the activations as int8 codes per 32 values (absmax / 127, as llama.cpp quantizes them):
  * vpdpbusd takes 64 byte products a vector where vpdpwssd takes 32 of int16, at the cost of the activations'
@@ -1116,12 +945,6 @@ static int block_igemm(int kind, const float *x, int64_t M, int64_t K, int64_t l
  * unsigned by signed bytes: Q4's codes (0..15) are the unsigned side against signed activation codes; signed
  * weights (int8 codes) meet the activations' codes plus 128 (their sign bit flipped), the extra 128 times the
  * weights' sum taken out by starting each group's sums at -128 times it (`bias`, per panel). */
-typedef struct {
-    uint8_t *codes[2];            /* [K / 4][16 rows][4] */
-    float *scale[2], *offset[2];  /* as ig_panels */
-    int32_t *bias[2];             /* [scale groups][16]: -128 times each row's codes' sum (int8 codes) */
-} bg_panels;
-
 /* x [K] -> int8 codes per 32 values in natural order (plus 128 where `flip`), d = absmax / 127, s = d * sum. */
 static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float *s, int flip) {
     for (int64_t b = 0; b < K / QK; b++) {
@@ -1138,19 +961,22 @@ static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float 
     }
 }
 
-/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p's byte panels. */
-static void bg_widen(int kind, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N, int64_t K,
-                     const bg_panels *p, int prefetch) {
+/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p. Both routes transpose 16 rows' bytes
+ * as stored, 4 to a 32-bit lane: int8 codes 4q..4q + 3 in lane q, a Q4 group's low nibbles 4j..4j + 3 and high
+ * ones 4j + 16.. in lane j. int16 panels (`bytes` 0) widen those by shifts and masks into the pairs of
+ * ig_pair_order; byte panels keep them, in natural order, with each scale group's bias. */
+static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N,
+                       int64_t K, const gemm_panels *p, int prefetch) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, per = kind == 6 ? 4 : 8;
-    if (prefetch) {
+    if (prefetch) { /* the next panel's rows into L2 */
         const int64_t row_bytes = kind == 4 ? K / 2 : K;
         const int64_t end = (n0 + 64 < N ? n0 + 64 : N) * row_bytes;
         for (int64_t b = (n0 + 32) * row_bytes; b < end; b += 64) _mm_prefetch((const char *)qs + b, _MM_HINT_T1);
     }
-    const __m512i ones = _mm512_set1_epi8(1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), low = _mm512_set1_epi16(0x00FF), ones = _mm512_set1_epi8(1);
     for (int h = 0; h < 2; h++) {
         __m512i *vecs = (__m512i *)p->codes[h];
-        if (kind != 4) {
+        if (kind != 4) { /* int8 codes, 64 per row at a time (or one last group of 32) */
             for (int64_t c = 0; c < K; c += 64) {
                 const int full = K - c >= 64;
                 __m512i r[16];
@@ -1162,9 +988,14 @@ static void bg_widen(int kind, const void *qs, const void *d, const uint16_t *m,
                 }
                 transpose16_epi32(r); /* r[q]: codes 4q..4q + 3 of each row */
                 for (int q = 0; q < (full ? 16 : 8); q++) {
+                    if (!bytes) {
+                        _mm512_storeu_si512(vecs + c / 2 + 2 * q, _mm512_srai_epi16(_mm512_slli_epi16(r[q], 8), 8));
+                        _mm512_storeu_si512(vecs + c / 2 + 2 * q + 1, _mm512_srai_epi16(r[q], 8));
+                        continue;
+                    }
                     const int64_t v = c / 4 + q;
                     _mm512_storeu_si512(vecs + v, r[q]);
-                    /* sum of the 4 codes per lane: ones (unsigned) times the codes (signed) */
+                    /* the sum of each lane's 4 codes: ones (unsigned) times the codes (signed) */
                     const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, r[q]);
                     int32_t *bias = p->bias[h] + (v / per) * 16;
                     const __m512i prev = v % per ? _mm512_loadu_si512(bias) : _mm512_setzero_si512();
@@ -1172,21 +1003,30 @@ static void bg_widen(int kind, const void *qs, const void *d, const uint16_t *m,
                 }
             }
         } else {
-            for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+            for (int64_t g0 = 0; g0 < groups; g0 += 4) { /* Q4: the nibbles of 4 groups a row at a time */
                 const int64_t have = groups - g0 < 4 ? groups - g0 : 4;
-                const __mmask64 bytes = have == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * have)) - 1;
-                const __m512i nibble = _mm512_set1_epi8(0x0F);
+                const __mmask64 mask = have == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * have)) - 1;
                 __m512i r[16];
                 for (int64_t i = 0; i < 16; i++) {
                     const int64_t n = n0 + 16 * h + i;
                     r[i] = n >= N ? _mm512_setzero_si512()
-                                  : _mm512_maskz_loadu_epi8(bytes, (const uint8_t *)qs + n * (K / 2) + g0 * 16);
+                                  : _mm512_maskz_loadu_epi8(mask, (const uint8_t *)qs + n * (K / 2) + g0 * 16);
                 }
                 transpose16_epi32(r); /* r[u]: bytes 4j..4j + 3 (j = u % 4) of group g0 + u / 4 of each row */
                 for (int u = 0; u < 4 * have; u++) {
-                    __m512i *dst = vecs + (g0 + u / 4) * 8 + u % 4;
-                    _mm512_storeu_si512(dst, _mm512_and_si512(r[u], nibble));                         /* 4j.. */
-                    _mm512_storeu_si512(dst + 4, _mm512_and_si512(_mm512_srli_epi16(r[u], 4), nibble)); /* 4j + 16.. */
+                    const __m512i lo = _mm512_and_si512(r[u], nibble); /* codes 4j..4j + 3 */
+                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[u], 4), nibble); /* 4j + 16.. */
+                    if (bytes) {
+                        __m512i *dst = vecs + (g0 + u / 4) * 8 + u % 4;
+                        _mm512_storeu_si512(dst, lo);
+                        _mm512_storeu_si512(dst + 4, hi);
+                    } else {
+                        __m512i *dst = vecs + g0 * 16 + 4 * u;
+                        _mm512_storeu_si512(dst, _mm512_and_si512(lo, low));
+                        _mm512_storeu_si512(dst + 1, _mm512_srli_epi16(lo, 8));
+                        _mm512_storeu_si512(dst + 2, _mm512_and_si512(hi, low));
+                        _mm512_storeu_si512(dst + 3, _mm512_srli_epi16(hi, 8));
+                    }
                 }
             }
         }
@@ -1195,63 +1035,70 @@ static void bg_widen(int kind, const void *qs, const void *d, const uint16_t *m,
             for (int64_t g = 0; g < sg; g++) {
                 float scale = 0.0f;
                 if (n < N)
-                    scale = kind == 6 ? ((const float *)d)[n * sg + g] : half_to_float(((const uint16_t *)d)[n * groups + g]);
+                    scale = kind == 6 ? ((const float *)d)[n * sg + g]
+                                      : half_to_float(((const uint16_t *)d)[n * groups + g]);
                 p->scale[h][g * 16 + i] = scale;
             }
             if (kind == 4)
-                for (int64_t g = 0; g < groups; g++) p->offset[h][g * 16 + i] = n < N ? half_to_float(m[n * groups + g]) : 0.0f;
+                for (int64_t g = 0; g < groups; g++)
+                    p->offset[h][g * 16 + i] = n < N ? half_to_float(m[n * groups + g]) : 0.0f;
         }
     }
 }
 
-typedef struct {
-    int8_t *q; /* codes [M, K] */
-    float *d, *s;
-} byte_rows;
-
-static inline __attribute__((always_inline)) void bg_tile(int kind, const int T, const byte_rows *xq, int64_t r0,
-                                                          int64_t K, const bg_panels *p, float *out, int64_t ldo,
-                                                          int64_t n0, int64_t cols) {
-    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, per = kind == 6 ? 4 : 8;
+/* out rows r0..r0 + T - 1, columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (activation codes `codes`,
+ * [M, K], int16 or bytes, with their scales xd and Q4 sums xs per group) by the panels. Either way a step takes 4
+ * bytes of each row's codes against a 64-byte vector of each panel: a pair of int16 codes in vpdpwssd, or 4 byte
+ * codes in vpdpbusd (Q4's codes the unsigned side; int8 codes against the activations plus 128, from the bias). */
+static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes, const int T, const void *codes,
+                                                            const float *xd, const float *xs, int64_t r0, int64_t K,
+                                                            const gemm_panels *p, float *out, int64_t ldo,
+                                                            int64_t n0, int64_t cols) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
+    const int64_t row_bytes = bytes ? K : 2 * K, steps = (kind == 6 ? 16 : 32) / (bytes ? 4 : 2); /* per group */
     __m512 f[IG_ROWS][2];
     for (int t = 0; t < T; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sg; s++) {
-        const int64_t g = kind == 6 ? s / 2 : s;
+        const int64_t g = kind == 6 ? s / 2 : s; /* the activations' scale group */
         __m512i a[IG_ROWS][2];
-        if (kind == 4) {
-            for (int t = 0; t < T; t++) a[t][0] = a[t][1] = _mm512_setzero_si512();
-        } else {
-            const __m512i b0 = _mm512_loadu_si512(p->bias[0] + s * 16), b1 = _mm512_loadu_si512(p->bias[1] + s * 16);
-            for (int t = 0; t < T; t++) a[t][0] = b0, a[t][1] = b1;
-        }
-        const uint8_t *w0 = p->codes[0] + s * per * 64, *w1 = p->codes[1] + s * per * 64;
-        const int8_t *xs = xq->q + r0 * K + s * per * 4;
-#pragma GCC unroll 8
-        for (int64_t k = 0; k < per; k++) {
+        const int biased = bytes && kind != 4;
+        const __m512i b0 = biased ? _mm512_loadu_si512(p->bias[0] + s * 16) : _mm512_setzero_si512();
+        const __m512i b1 = biased ? _mm512_loadu_si512(p->bias[1] + s * 16) : _mm512_setzero_si512();
+        for (int t = 0; t < T; t++) a[t][0] = b0, a[t][1] = b1;
+        const uint8_t *w0 = (const uint8_t *)p->codes[0] + s * steps * 64;
+        const uint8_t *w1 = (const uint8_t *)p->codes[1] + s * steps * 64;
+        const uint8_t *xr = (const uint8_t *)codes + r0 * row_bytes + s * steps * 4;
+        /* Unrolled, the accumulators stay in their registers (otherwise copied each pass: 3-6% of a model's
+         * projections at 64 and 512 rows). */
+#pragma GCC unroll 16
+        for (int64_t k = 0; k < steps; k++) {
             const __m512i v0 = _mm512_loadu_si512(w0 + k * 64), v1 = _mm512_loadu_si512(w1 + k * 64);
             for (int t = 0; t < T; t++) {
                 int32_t four;
-                memcpy(&four, xs + t * K + 4 * k, 4);
-                const __m512i b = _mm512_set1_epi32(four);
-                if (kind == 4) {
-                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], v0, b);
-                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], v1, b);
+                memcpy(&four, xr + t * row_bytes + 4 * k, 4);
+                const __m512i x4 = _mm512_set1_epi32(four);
+                if (!bytes) {
+                    a[t][0] = _mm512_dpwssd_epi32(a[t][0], v0, x4);
+                    a[t][1] = _mm512_dpwssd_epi32(a[t][1], v1, x4);
+                } else if (kind == 4) {
+                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], v0, x4);
+                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], v1, x4);
                 } else {
-                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], b, v0);
-                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], b, v1);
+                    a[t][0] = _mm512_dpbusd_epi32(a[t][0], x4, v0);
+                    a[t][1] = _mm512_dpbusd_epi32(a[t][1], x4, v1);
                 }
             }
         }
         const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
         for (int t = 0; t < T; t++) {
-            const __m512 dx = _mm512_set1_ps(xq->d[(r0 + t) * groups + g]);
+            const __m512 dx = _mm512_set1_ps(xd[(r0 + t) * groups + g]);
             f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][0]), _mm512_mul_ps(d0, dx), f[t][0]);
             f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][1]), _mm512_mul_ps(d1, dx), f[t][1]);
         }
         if (kind == 4) {
             const __m512 m0 = _mm512_loadu_ps(p->offset[0] + s * 16), m1 = _mm512_loadu_ps(p->offset[1] + s * 16);
             for (int t = 0; t < T; t++) {
-                const __m512 sx = _mm512_set1_ps(xq->s[(r0 + t) * groups + g]);
+                const __m512 sx = _mm512_set1_ps(xs[(r0 + t) * groups + g]);
                 f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
                 f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
             }
@@ -1265,43 +1112,53 @@ static inline __attribute__((always_inline)) void bg_tile(int kind, const int T,
     }
 }
 
-static inline __attribute__((always_inline)) void bg_rows(int kind, const byte_rows *xq, int64_t M, int64_t K,
-                                                          const bg_panels *p, float *out, int64_t ldo, int64_t n0,
-                                                          int64_t cols) {
+static inline __attribute__((always_inline)) void gemm_rows(int kind, int bytes, const void *codes, const float *xd,
+                                                            const float *xs, int64_t M, int64_t K,
+                                                            const gemm_panels *p, float *out, int64_t ldo,
+                                                            int64_t n0, int64_t cols) {
     int64_t r0 = 0;
-    for (; r0 + IG_ROWS <= M; r0 += IG_ROWS) bg_tile(kind, IG_ROWS, xq, r0, K, p, out, ldo, n0, cols);
+    for (; r0 + IG_ROWS <= M; r0 += IG_ROWS)
+        gemm_tile(kind, bytes, IG_ROWS, codes, xd, xs, r0, K, p, out, ldo, n0, cols);
     switch (M - r0) {
-    case 1: bg_tile(kind, 1, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 2: bg_tile(kind, 2, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 3: bg_tile(kind, 3, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 4: bg_tile(kind, 4, xq, r0, K, p, out, ldo, n0, cols); break;
-    case 5: bg_tile(kind, 5, xq, r0, K, p, out, ldo, n0, cols); break;
+    case 1: gemm_tile(kind, bytes, 1, codes, xd, xs, r0, K, p, out, ldo, n0, cols); break;
+    case 2: gemm_tile(kind, bytes, 2, codes, xd, xs, r0, K, p, out, ldo, n0, cols); break;
+    case 3: gemm_tile(kind, bytes, 3, codes, xd, xs, r0, K, p, out, ldo, n0, cols); break;
+    case 4: gemm_tile(kind, bytes, 4, codes, xd, xs, r0, K, p, out, ldo, n0, cols); break;
+    case 5: gemm_tile(kind, bytes, 5, codes, xd, xs, r0, K, p, out, ldo, n0, cols); break;
     default: break;
     }
 }
 
-static int block_bgemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                       const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
-    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups;
-    byte_rows xq;
-    void *rows = malloc((size_t)(M * K + 2 * M * groups * (int64_t)sizeof(float)) + 64);
+/* The GEMM over block weights, with int16 activation codes or (`bytes`) int8 ones. */
+static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
+                            const void *qs, const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+    const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, width = bytes ? 1 : 2;
+    void *rows = malloc((size_t)(M * K * width + 2 * M * groups * (int64_t)sizeof(float)) + 64);
     if (!rows) return -1;
-    xq.d = (float *)rows;
-    xq.s = xq.d + M * groups;
-    xq.q = (int8_t *)(xq.s + M * groups);
+    float *xd = (float *)rows, *xs = xd + M * groups;
+    void *codes = xs + M * groups;
+    const __m512i order = bytes ? _mm512_setzero_si512() : ig_pair_order(kind);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
-    for (int64_t r = 0; r < M; r++)
-        quantize_row8(x + r * ldx, K, xq.q + r * K, xq.d + r * groups, xq.s + r * groups, kind != 4);
+    for (int64_t r = 0; r < M; r++) {
+        if (bytes) {
+            quantize_row8(x + r * ldx, K, (int8_t *)codes + r * K, xd + r * groups, xs + r * groups, kind != 4);
+            continue;
+        }
+        int16_t *q = (int16_t *)codes + r * K;
+        quantize_row16(x + r * ldx, K, q, xd + r * groups, xs + r * groups, 0);
+        for (int64_t i = 0; i < K; i += 32)
+            _mm512_storeu_si512(q + i, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(q + i)));
+    }
     const int64_t pairs_of_panels = (N + 31) / 32;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && pairs_of_panels > 1)
     {
-        bg_panels p;
-        void *block = malloc((size_t)(2 * 16 * K + 3 * 2 * sg * 16 * 4) + 64);
+        gemm_panels p;
+        void *block = malloc((size_t)(2 * 16 * K * width + 3 * 2 * sg * 16 * 4) + 64);
         if (!block) failed = 1;
         else {
-            p.codes[0] = (uint8_t *)block, p.codes[1] = p.codes[0] + 16 * K;
-            p.scale[0] = (float *)(p.codes[1] + 16 * K), p.scale[1] = p.scale[0] + sg * 16;
+            p.codes[0] = block, p.codes[1] = (uint8_t *)block + 16 * K * width;
+            p.scale[0] = (float *)((uint8_t *)p.codes[1] + 16 * K * width), p.scale[1] = p.scale[0] + sg * 16;
             p.offset[0] = p.scale[1] + sg * 16, p.offset[1] = p.offset[0] + sg * 16;
             p.bias[0] = (int32_t *)(p.offset[1] + sg * 16), p.bias[1] = p.bias[0] + sg * 16;
         }
@@ -1309,10 +1166,13 @@ static int block_bgemm(int kind, const float *x, int64_t M, int64_t K, int64_t l
         for (int64_t c = 0; c < pairs_of_panels; c++) {
             if (!block) continue;
             const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
-            bg_widen(kind, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS);
-            if (kind == 4) bg_rows(4, &xq, M, K, &p, out, ldo, n0, cols);
-            else if (kind == 8) bg_rows(8, &xq, M, K, &p, out, ldo, n0, cols);
-            else bg_rows(6, &xq, M, K, &p, out, ldo, n0, cols);
+            gemm_widen(kind, bytes, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS);
+#define NT_GEMM_ROWS(B)                                                                                   \
+    if (kind == 4) gemm_rows(4, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols);                          \
+    else if (kind == 8) gemm_rows(8, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols);                     \
+    else gemm_rows(6, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols);
+            if (bytes) { NT_GEMM_ROWS(1) } else { NT_GEMM_ROWS(0) }
+#undef NT_GEMM_ROWS
         }
         free(block);
     }
@@ -1322,14 +1182,14 @@ static int block_bgemm(int kind, const float *x, int64_t M, int64_t K, int64_t l
 #endif
 
 /* nt_block_matmul's product through a GEMM, for batches bound by compute: with AVX-512 VNNI the int16 one
- * (block_igemm), else the fp32 one: each thread dequantizes 16 weight rows at a time into a panel of its own (a few
- * percent of the multiply-adds at 64 rows) and runs every row tile of x over it. Either way no fp32 copy of the
+ * (block_gemm_codes), else the fp32 one: each thread dequantizes 16 weight rows at a time into a panel of its own (a
+ * few percent of the multiply-adds at 64 rows) and runs every row tile of x over it. Either way no fp32 copy of the
  * weight is kept. Returns 0, or -1 as nt_block_matmul. */
 int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                   const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
     if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
 #ifdef NT_VNNI512
-    return block_igemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+    return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #endif
     const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
     int failed = 0;
@@ -1353,16 +1213,16 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
     return failed ? -1 : 0;
 }
 
-/* nt_block_gemm with the activations as int8 codes per 32 values (block_bgemm), where the CPU has AVX-512 VNNI: a
- * layer's projections of SmolLM2 at 512 rows 10.95 -> 6.41 ms (565 GOP/s; Q8 7.04 ms), at 64 rows 2.22 -> 1.38 ms,
- * at the activations' precision: absmax / 127 per 32, as llama.cpp quantizes them, where int16 codes keep steps 258
- * times finer (teacher-forced top-1 agreement with the reference 98.2% for SmolLM2 and 98.6% for Gemma 3, KL
- * 2.6e-3 / 1.5e-3, where int16 gives 100%). Elsewhere the same as nt_block_gemm. */
+/* nt_block_gemm with the activations as int8 codes per 32 values (block_gemm_codes with bytes), where the CPU has
+ * AVX-512 VNNI: a layer's projections of SmolLM2 at 512 rows 10.95 -> 6.41 ms (565 GOP/s; Q8 7.04 ms), at 64 rows
+ * 2.22 -> 1.38 ms, at the activations' precision: absmax / 127 per 32, as llama.cpp quantizes them, where int16
+ * codes keep steps 258 times finer (teacher-forced top-1 agreement with the reference 98.2% for SmolLM2 and 98.6%
+ * for Gemma 3, KL 2.6e-3 / 1.5e-3, where int16 gives 100%). Elsewhere the same as nt_block_gemm. */
 int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                    const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
 #ifdef NT_VNNI512
     if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
-    return block_bgemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+    return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #else
     return nt_block_gemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #endif
