@@ -60,11 +60,11 @@ class CausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, weight).float()
 
     def set_activations(self, activations: str) -> None:
-        """How the projections' GEMM over block weights meets the activations: "int16" or "int8" codes per 32
-        values (BlockLinear.activations). The LM head keeps int16: its rounding would move every logit. The fused
-        decoder's structs are rebuilt to carry the choice."""
+        """How the GEMM over block weights meets the activations, in the projections and the LM head over the
+        file's blocks: "int16" or "int8" codes per 32 values (BlockLinear.activations). The fused decoder's structs
+        are rebuilt to carry the choice."""
         for module in self.modules():
-            if isinstance(module, BlockLinear):
+            if isinstance(module, (BlockLinear, Int8GroupHead)):
                 module.activations = activations
         if self.fused is not None:
             self.fused = FusedDecoder.build(self)

@@ -41,8 +41,10 @@ HEAD_GEMM_ROWS = 16
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
-# Activations meet the blocks as int16 codes per 32 values. int8 codes, as llama.cpp uses, measured about 15%
-# faster but cost SmolLM2 1.6 points of top-1 agreement with fp32 (98.4%, KL 2.6e-3; int16: 100%, KL 6e-8).
+# Activations meet the blocks as int16 codes per 32 values by default: results within 2e-5 of fp32 over the file's
+# weights. `activations="int8"` takes int8 codes in products of many rows instead, its outlier columns in fp32
+# (nt_block_gemm8): 1.3-1.7x the GEMM's rate, at SmolLM2 99.2% top-1 agreement with fp32, KL 7.6e-4 (int16: 100%,
+# KL 6e-8).
 
 _Q = GGMLQuantizationType
 Q4_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K)
@@ -423,6 +425,9 @@ class Int8GroupHead(nn.Module):
         self.codes, self.scales = (codes, scales) if weight is None else (None, None)
         self.num_exact = num_exact
         self.vocab_size = codes.shape[0]
+        # How the GEMM over the file's blocks (from HEAD_GEMM_ROWS rows) meets the activations: "int16" or "int8"
+        # codes per 32 values, as the projections' (BlockLinear.activations).
+        self.activations = "int16"
         self.lib = native.library()
         self.max_rows = HEAD_NATIVE_MAX_ROWS if self.lib is not None else TORCH_INT4_MAX_ROWS
         if self.lib is not None:
@@ -454,7 +459,8 @@ class Int8GroupHead(nn.Module):
         at 4 KB each on first write, 15 ms of a 160 ms step."""
         logits = out[:x.shape[0]] if out is not None else torch.empty(x.shape[0], self.vocab_size)
         if self.lib is not None and self.weight is None and x.shape[0] >= HEAD_GEMM_ROWS:
-            native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits, gemm=True)
+            native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits, gemm=True,
+                                int8_activations=self.activations == "int8")
             return logits
         if x.shape[0] > self.max_rows:
             if self.weight is not None:

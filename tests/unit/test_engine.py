@@ -199,8 +199,8 @@ def test_threads_must_be_a_positive_whole_number(threads: object) -> None:
 
 
 def test_activations_setting(tiny_llama: Path) -> None:
-    """`activations` names int16 or int8; int8 reaches every block projection (and the fused decode step), and is
-    refused, before anything loads, where the weights are not blocks."""
+    """`activations` names int16 or int8; int8 reaches every block projection (and the fused decode step) and the
+    LM head, and is refused, before anything loads, where the weights are not blocks."""
     with pytest.raises(NextokenError, match="invalid engine setting: activations='int4'"):
         EngineConfig(activations="int4")
     with pytest.raises(NextokenError, match="activations=int8 applies to block weights .*these weights are fp32"):
@@ -210,6 +210,7 @@ def test_activations_setting(tiny_llama: Path) -> None:
     assert llm.engine.runner.activations == "int8"
     assert {layer.mlp.down_proj.activations for layer in model.layers} == {"int8"}
     assert model.fused is not None and all(layer.qkv.int8_activations for layer in model.fused.layers)
+    assert model.quantized_head is not None and model.quantized_head.activations == "int8"
     out = llm.generate("the cat sat", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert len(out[0].token_ids) == 20
 

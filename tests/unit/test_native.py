@@ -175,20 +175,25 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
         native.sgemm(kernels, torch.randn(2, 8), native.pack(kernels, torch.randn(4, 9)), 4, torch.empty(2, 4))
 
 
-def gemm_cases(seed: int):  # noqa: ANN201 - yields (BlockWeight, Tensor, Tensor)
+def gemm_cases(seed: int, outliers: bool = False):  # noqa: ANN201 - yields (BlockWeight, Tensor, Tensor)
     """(part, its dequantized weight in float64, x) for products of many rows: every block format (Q4 with its
     offsets, Q8, Q8 in halves with codes over their whole range), column counts past whole pairs of 16-column
-    panels, row counts past whole tiles of six, rows of x with a stride of their own."""
+    panels, row counts past whole tiles of six, rows of x with a stride of their own; with `outliers`, one column of
+    x in 24 runs 20 times larger than the rest (as models have them: more than int8 codes take out at 576)."""
     gen = torch.Generator().manual_seed(seed)
     for n, k in ((5, 32), (33, 96), (70, 576), (16, 1536)):
         parts = [q4_weight(*regroup(torch.randn(n, k, generator=gen))),
                  q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen))),
                  q8_weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
                            torch.rand(n, k // 16, generator=gen) / 10)]
+        loud = torch.randperm(k, generator=gen)[:max(1, k // 24)] + 1
         for part in parts:
             w = dequantized(part).double()
             for rows in (1, 5, 6, 13, 40):
-                yield part, w, torch.randn(rows, k + 3, generator=gen)[:, 1:1 + k]
+                x = torch.randn(rows, k + 3, generator=gen)
+                if outliers:
+                    x[:, loud] *= 20
+                yield part, w, x[:, 1:1 + k]
 
 
 def gemm_out(library: ctypes.CDLL, part: BlockWeight, x: torch.Tensor, threads: int,
@@ -231,14 +236,33 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (amax / 127).double()).flatten(1)
 
 
+OUTLIER_MAX, OUTLIER_RATIO = 16, 3.0  # kernels.c
+
+
+def outlier_columns(x: torch.Tensor) -> torch.Tensor:
+    """The columns that int8 codes leave out: the OUTLIER_MAX whose largest magnitude over the rows exceeds
+    OUTLIER_RATIO times the median column's (rank K / 2) by the most, ascending."""
+    colmax = x.abs().amax(0)
+    limit = torch.tensor(OUTLIER_RATIO, dtype=torch.float32) * colmax.sort().values[x.shape[1] // 2]
+    above = torch.nonzero(colmax > limit).flatten()
+    return above[colmax[above].argsort(descending=True)[:OUTLIER_MAX]].sort().values
+
+
 def test_int8_activation_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
     """block_matmul(gemm=True, int8_activations=True): with AVX-512 VNNI the activations meet the weights' codes as
     int8 codes per 32 values in byte multiply-adds (signed weights against codes plus 128, that excess taken out
-    again): the float64 product of those rounded activations and the dequantized weight, to float rounding, and
-    measurably apart from the int16 route's result. gemm_cases' shapes, 1-3 threads. Without VNNI (the AVX2 build)
-    the setting changes nothing: the result is the int16 route's, bit for bit."""
-    for part, w, x in gemm_cases(8):
-        expected = (int8_blocks(x) @ w.t()).float()
+    again), all but the outlier columns, whose products are fp32: the float64 product of those rounded activations
+    and the dequantized weight plus the outlier columns' exact products, to float rounding, and measurably apart
+    from the int16 route's result. gemm_cases' shapes (outlier columns more than are taken out, or fewer), 1-3
+    threads. Without VNNI (the AVX2 build) the setting changes nothing: the result is the int16 route's, bit for
+    bit."""
+    counts = set()
+    for part, w, x in gemm_cases(8, outliers=True):
+        loud = outlier_columns(x)
+        counts.add(len(loud))
+        rest = x.clone()
+        rest[:, loud] = 0
+        expected = (int8_blocks(rest) @ w.t() + x[:, loud].double() @ w[:, loud].t()).float()
         bound = 1e-6 * (x.abs().double() @ w.abs().t()).float() + 1e-6
         for threads in (1, 2, 3):
             assert torch.equal(gemm_out(avx2, part, x, threads, True), gemm_out(avx2, part, x, threads))
@@ -246,6 +270,7 @@ def test_int8_activation_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.
                 got = gemm_out(lib, part, x, threads, True)
                 assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0], threads)
                 assert (got - gemm_out(lib, part, x, threads)).abs().max() > 100 * bound.max()  # not int16's
+    assert OUTLIER_MAX in counts and len(counts) > 3  # the cap reached, and many counts under it
 
 
 @pytest.mark.parametrize("build", ["vectorized", "portable"])
