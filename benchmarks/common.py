@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +82,45 @@ def transformers_baseline(python: str, model: str, threads: int, dtypes: tuple[s
     if result.returncode:
         raise RuntimeError(f"transformers baseline failed: {result.stderr.strip()[-800:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+class TransformersWorker:
+    """transformers_baseline.py --serve under `python`: the file loaded once in each dtype, then measured on request,
+    so that its figures can take turns with ours minute by minute (latency.py --turns)."""
+
+    def __init__(self, python: str, model: str, threads: int, dtypes: tuple[str, ...] = ("bf16",)) -> None:
+        script = Path(__file__).with_name("transformers_baseline.py")
+        self.errors = tempfile.TemporaryFile(mode="w+")  # its warnings, read back only if it fails
+        self.process = subprocess.Popen([python, str(script), str(resolve_model(model)), "--threads", str(threads),
+                                         "--dtypes", *dtypes, "--serve"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.errors, text=True)
+        self.load_s: dict[str, float] = self._answer()["load_s"]
+
+    def _answer(self) -> dict:
+        line = self.process.stdout.readline() if self.process.stdout else ""
+        if not line:
+            self.errors.seek(0)
+            raise RuntimeError(f"transformers worker failed: {self.errors.read().strip()[-800:]}")
+        return json.loads(line)
+
+    def tok_s(self, dtype: str, what: str, tokens: int) -> float:
+        """tok/s of `what` ("prefill": one pass over `tokens`; "decode": `tokens` greedy steps of one sequence)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"dtype": dtype, what: tokens}) + "\n")
+        self.process.stdin.flush()
+        return float(self._answer()["tok_s"])
+
+    def close(self) -> None:
+        if self.process.stdin:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+        self.errors.close()
+
+    def __enter__(self) -> TransformersWorker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def save(name: str, payload: dict) -> Path:

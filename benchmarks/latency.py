@@ -1,7 +1,7 @@
 """Single-request latency: prefill tokens/s (one 512-token prompt) and decode tokens/s (128 tokens, batch 1).
 
 Run: .venv/bin/python -m benchmarks.latency [--weights fp32 bf16 int8 int4] [--kv-dtypes fp32 bf16 int8]
-     [--models ...] [--repeats N] [--llama-bench PATH [--turns N]] [--transformers PYTHON]
+     [--models ...] [--repeats N] [--llama-bench PATH] [--transformers PYTHON] [--turns N]
 Both go through the engine exactly as a user's request does. Prefill is timed from scheduling to the first token (one
 forward pass over 512 tokens plus sampling); decode from the first token to the 128th, twice: after that 512-token
 prompt, and from an empty context (a one-token prompt), which is what llama-bench's tg128 measures. Medians of N runs,
@@ -10,8 +10,9 @@ first weight format (fp32) is the in-run baseline for the others, block formats 
 (`activations="int8"`). With --llama-bench (a llama-bench binary the user built), llama.cpp runs on the same GGUF file
 in the same run (`-p 512 -n 128`, the machine's thread count) and the ratios to it are printed too. Then each KV cache
 format with the default weights: decode tok/s over the same 512-token context, and how many tokens a 1 GiB pool holds.
-With --turns N, only the default formats and llama.cpp, taking turns N times (see head_to_head): the ratio to use on a
-machine whose speed drifts. With --transformers (a Python that has transformers, gguf and accelerate), transformers
+With --turns N, only the default formats (and again with int8 activations) and the baselines given (llama.cpp,
+transformers bf16's prefill), taking turns N times (see head_to_head): the ratios to use on a machine whose speed
+drifts. With --transformers (a Python that has transformers, gguf and accelerate), transformers
 fp32 and bf16 run on the same file in the same run too (benchmarks/transformers_baseline.py) and the ratios to them
 are printed.
 """
@@ -26,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ANCHORS, save, transformers_baseline, versus
+from benchmarks.common import ANCHORS, TransformersWorker, save, transformers_baseline, versus
 from nextoken import LLM, SamplingParams
+from nextoken.errors import NextokenError
 from nextoken.loader.registry import resolve_model
 
 TEXTS = Path(__file__).parent.parent / "tests" / "data" / "reference" / "prompts.json"
@@ -76,29 +78,50 @@ def llama_bench(binary: str, model: str, threads: int, repeats: int = 3, prompt:
     return figures
 
 
-def head_to_head(binary: str, model: str, rounds: int) -> dict[str, float]:
-    """nextoken (default formats) and llama.cpp taking turns, `rounds` times: each round one llama-bench run (pp512,
-    tg128) then one of ours (prefill 512, decode from an empty context). On a machine whose speed drifts from minute
-    to minute, the ratio of neighbours in time is the fair one: printed per round, and their median."""
-    llm = LLM(model, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
-    measure(llm, 1)  # warm-up
+def head_to_head(model: str, rounds: int, binary: str | None, transformers: str | None, prompt_len: int = 512,
+                 decode_len: int = 128) -> dict[str, float]:
+    """nextoken taking turns with the baselines, `rounds` times. Each round: one llama-bench run (pp512, tg128) where
+    a binary is given; transformers bf16's prefill of 512 tokens where a Python is given (loaded once: see
+    TransformersWorker); then ours (prefill 512, decode from an empty context) with the default formats, and again
+    with int8 activations. On a machine whose speed drifts from minute to minute, the ratio of neighbours in time is
+    the fair one: each round's figures are printed, then the medians of the per-round ratios."""
+    options = dict(device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
+    llms = {"default": LLM(model, **options)}
+    try:
+        llms["int8 activations"] = LLM(model, activations="int8", **options)
+    except NextokenError as e:
+        print(f"{model} int8 activations: skipped ({e})")
+    for llm in llms.values():
+        measure(llm, 1, prompt_len, decode_len)  # warm-up
     threads = torch.get_num_threads()
-    decode, prefill = [], []
-    for i in range(rounds):
-        theirs = llama_bench(binary, model, threads, repeats=1)
-        ours = measure(llm, 1)
-        decode.append((ours["decode_empty_tok_s"], theirs["decode_1"]))
-        prefill.append((ours["prefill_tok_s"], theirs["prefill_512"]))
-        print(f"  round {i + 1}: decode {decode[-1][0]:.1f} vs {decode[-1][1]:.1f} tok/s "
-              f"({decode[-1][0] / decode[-1][1]:.2f}x), prefill {prefill[-1][0]:.1f} vs {prefill[-1][1]:.1f} "
-              f"({prefill[-1][0] / prefill[-1][1]:.2f}x)")
-    ratio = {"decode": statistics.median(a / b for a, b in decode),
-             "prefill": statistics.median(a / b for a, b in prefill)}
-    print(f"{model}, {llm.engine.runner.weights} weights, against llama.cpp taking turns ({rounds} rounds): decode "
-          f"{ratio['decode']:.2f}x (median), prefill {ratio['prefill']:.2f}x")
-    return {"decode_ratio": ratio["decode"], "prefill_ratio": ratio["prefill"],
-            "decode_tok_s": statistics.median(a for a, _ in decode),
-            "llama_decode_tok_s": statistics.median(b for _, b in decode)}
+    worker = TransformersWorker(transformers, model, threads) if transformers else None
+    rows: list[dict[str, float]] = []
+    try:
+        for i in range(rounds):
+            row: dict[str, float] = {}
+            if binary:
+                theirs = llama_bench(binary, model, threads, repeats=1)
+                row["llama.cpp prefill"], row["llama.cpp decode"] = theirs["prefill_512"], theirs["decode_1"]
+            if worker:
+                row["transformers bf16 prefill"] = worker.tok_s("bf16", "prefill", prompt_len)
+            for label, llm in llms.items():
+                ours = measure(llm, 1, prompt_len, decode_len)
+                row[f"{label} prefill"], row[f"{label} decode"] = ours["prefill_tok_s"], ours["decode_empty_tok_s"]
+            rows.append(row)
+            print(f"  round {i + 1}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
+    finally:
+        if worker:
+            worker.close()
+    ratios = {}
+    for label in llms:
+        for base in ("llama.cpp decode", "llama.cpp prefill", "transformers bf16 prefill", "default prefill"):
+            what = base.rsplit(" ", 1)[1]
+            if base in rows[0] and base != f"{label} {what}":
+                ratios[f"{label} {what} / {base}"] = statistics.median(r[f"{label} {what}"] / r[base] for r in rows)
+    print(f"{model} taking turns ({rounds} rounds), medians of the per-round ratios:")
+    for key, ratio in ratios.items():
+        print(f"  {key}: {ratio:.2f}x")
+    return {**{key: statistics.median(r[key] for r in rows) for key in rows[0]}, **ratios}
 
 
 def main() -> None:
@@ -109,16 +132,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-bench", help="a llama-bench binary: run llama.cpp on the same file in this run")
     parser.add_argument("--turns", type=int, default=0,
-                        help="with --llama-bench: only the default formats and llama.cpp taking turns, N rounds")
+                        help="with --llama-bench and/or --transformers: only the default formats (and int8 "
+                             "activations) and those baselines taking turns, N rounds")
     parser.add_argument("--transformers", metavar="PYTHON",
                         help="a Python with transformers, gguf and accelerate: run transformers on the same file in this run")
     args = parser.parse_args()
     results: dict[str, dict[str, float]] = {}
     if args.turns:
-        if not args.llama_bench:
-            parser.error("--turns needs --llama-bench")
+        if not args.llama_bench and not args.transformers:
+            parser.error("--turns needs --llama-bench or --transformers")
         for name in args.models:
-            results[f"{name}/turns"] = head_to_head(args.llama_bench, name, args.turns)
+            results[f"{name}/turns"] = head_to_head(name, args.turns, args.llama_bench, args.transformers)
         print(f"saved {save('latency_turns', results)}")
         return
     for name in args.models:

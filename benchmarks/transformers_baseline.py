@@ -14,6 +14,10 @@ transformers loads the GGUF dequantized into the dtype, with SDPA attention, and
   decode_B       tok/s over all B sequences of `batch-steps` greedy steps after a 128-token prompt each (as
                  llama-batched-bench -npp 128 -ntg N -npl B counts its generation phase), one run.
 Prompts are fixed-seed random token ids: the work per token does not depend on which.
+
+With --serve it loads each dtype once, prints {"load_s": {dtype: seconds}} as one line, then answers one JSON line per
+request line on stdin, {"dtype": D, "prefill": N} or {"dtype": D, "decode": N}, with {"tok_s": X} (median of 3
+after one warm-up): how latency.py --turns lets transformers take turns with nextoken without reloading.
 """
 
 from __future__ import annotations
@@ -55,23 +59,53 @@ def _greedy(model, ids: torch.Tensor, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def measure(path: Path, dtype: str, prefill: int, decode: int, batch: int, batch_steps: int) -> dict[str, float]:
-    start = time.perf_counter()
+def _load(path: Path, dtype: str):  # noqa: ANN202 - a transformers model
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=DTYPES[dtype],
                                                  attn_implementation="sdpa")
-    model.eval()
+    return model.eval()
+
+
+def _prefill(model, tokens: int, gen: torch.Generator) -> float:
+    """tok/s of one forward pass over `tokens` random ids (median of 3 after a warm-up)."""
+    prompt = torch.randint(10, model.config.vocab_size, (1, tokens), generator=gen)
+    with torch.inference_mode():
+        return tokens / _median_time(lambda: model(input_ids=prompt, use_cache=False))
+
+
+def _decode(model, steps: int, gen: torch.Generator) -> float:
+    """tok/s of `steps` greedy steps of one sequence from a one-token prompt (median of 3 after a warm-up)."""
+    one = torch.randint(10, model.config.vocab_size, (1, 1), generator=gen)
+    return steps / _median_time(lambda: _greedy(model, one, steps))
+
+
+def measure(path: Path, dtype: str, prefill: int, decode: int, batch: int, batch_steps: int) -> dict[str, float]:
+    start = time.perf_counter()
+    model = _load(path, dtype)
     result = {"load_s": time.perf_counter() - start}
     gen = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    prompt = torch.randint(10, vocab, (1, prefill), generator=gen)
-    with torch.inference_mode():
-        result[f"prefill_{prefill}"] = prefill / _median_time(lambda: model(input_ids=prompt, use_cache=False))
-    one = torch.randint(10, vocab, (1, 1), generator=gen)
-    result["decode_1"] = decode / _median_time(lambda: _greedy(model, one, decode))
+    result[f"prefill_{prefill}"] = _prefill(model, prefill, gen)
+    result["decode_1"] = _decode(model, decode, gen)
     if batch:
         prompts = torch.randint(10, vocab, (batch, 128), generator=gen)
         result[f"decode_{batch}"] = batch * batch_steps / _greedy(model, prompts, batch_steps)
     return result
+
+
+def serve(path: Path, dtypes: list[str]) -> None:
+    """The --serve loop (see the module's docstring)."""
+    models, loads = {}, {}
+    for dtype in dtypes:
+        start = time.perf_counter()
+        models[dtype] = _load(path, dtype)
+        loads[dtype] = time.perf_counter() - start
+    print(json.dumps({"load_s": loads}), flush=True)
+    gen = torch.Generator().manual_seed(0)
+    for line in sys.stdin:
+        request = json.loads(line)
+        model = models[request["dtype"]]
+        tok_s = _prefill(model, request["prefill"], gen) if "prefill" in request else _decode(model, request["decode"], gen)
+        print(json.dumps({"tok_s": tok_s}), flush=True)
 
 
 def main() -> None:
@@ -83,8 +117,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="sequences of the batched figure (0: none)")
     parser.add_argument("--batch-steps", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--serve", action="store_true", help="load once, then measure on request (stdin, JSON lines)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.serve:
+        serve(args.model, args.dtypes)
+        return
     results = {dtype: measure(args.model, dtype, args.prefill, args.decode, args.batch, args.batch_steps)
                for dtype in args.dtypes}
     json.dump(results, sys.stdout)

@@ -5,10 +5,13 @@ so an interface the engine changed cannot leave a benchmark broken until someone
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 
 from benchmarks import latency, profile_decode, roofline, throughput
+from benchmarks.common import TransformersWorker
 from nextoken import LLM
 from tests.conftest import REAL_MODELS
 
@@ -46,3 +49,42 @@ def test_throughput_runs_a_batch_and_one_by_one(llm: LLM) -> None:
     assert batched.num_output_tokens == 4 * 5 and serial.num_output_tokens == 2 * 5
     assert batched.decode_tok_s and batched.decode_tok_s > 0 and serial.decode_tok_s and serial.decode_tok_s > 0
     assert serial.scaled_wall_s == pytest.approx(serial.wall_s * 2)
+
+
+def stub_python(tmp_path: Path, body: str) -> str:
+    """An executable standing in for a Python with transformers: whatever script it is handed, it runs `body`."""
+    script = tmp_path / "stub.py"
+    script.write_text(body)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+    python.chmod(0o755)
+    return str(python)
+
+
+# Speaks transformers_baseline.py --serve's protocol: a load line, then one answer per request.
+FAKE_WORKER = """import json, sys
+print(json.dumps({"load_s": {"bf16": 0.25}}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    print(json.dumps({"tok_s": 1000.0 if "prefill" in request else 10.0}), flush=True)
+"""
+
+
+def test_latency_turns_alternate_ours_with_transformers(tmp_path: Path) -> None:
+    """--turns: each round measures transformers' prefill through the worker, then ours with the default formats
+    and with int8 activations; the ratios are medians of per-round ratios."""
+    r = latency.head_to_head(REAL_MODELS[MODEL], 2, None, stub_python(tmp_path, FAKE_WORKER), prompt_len=48,
+                             decode_len=4)
+    assert r["transformers bf16 prefill"] == 1000.0
+    assert r["default prefill / transformers bf16 prefill"] == pytest.approx(r["default prefill"] / 1000)
+    assert r["int8 activations prefill / default prefill"] > 0
+    assert r["default decode"] > 0 and r["int8 activations decode"] > 0
+
+
+def test_transformers_worker_reports_a_failed_start(tmp_path: Path) -> None:
+    broken = stub_python(tmp_path, "import sys\nsys.stderr.write('No module named transformers')\nsys.exit(1)\n")
+    with pytest.raises(RuntimeError, match="transformers worker failed: No module named transformers"):
+        TransformersWorker(broken, REAL_MODELS[MODEL], 1)
+    with TransformersWorker(stub_python(tmp_path, FAKE_WORKER), REAL_MODELS[MODEL], 1) as worker:
+        assert worker.load_s == {"bf16": 0.25}
+        assert worker.tok_s("bf16", "decode", 8) == 10.0
