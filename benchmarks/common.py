@@ -86,7 +86,7 @@ def transformers_baseline(python: str, model: str, threads: int, dtypes: tuple[s
 
 class TransformersWorker:
     """transformers_baseline.py --serve under `python`: the file loaded once in each dtype, then measured on request,
-    so that its figures can take turns with ours minute by minute (latency.py --turns)."""
+    so that its figures can take turns with ours minute by minute (latency.py and throughput.py --turns)."""
 
     def __init__(self, python: str, model: str, threads: int, dtypes: tuple[str, ...] = ("bf16",)) -> None:
         script = Path(__file__).with_name("transformers_baseline.py")
@@ -103,10 +103,11 @@ class TransformersWorker:
             raise RuntimeError(f"transformers worker failed: {self.errors.read().strip()[-800:]}")
         return json.loads(line)
 
-    def tok_s(self, dtype: str, what: str, tokens: int) -> float:
-        """tok/s of `what` ("prefill": one pass over `tokens`; "decode": `tokens` greedy steps of one sequence)."""
+    def tok_s(self, dtype: str, **request: int) -> float:
+        """tok/s of one request: prefill=N (one pass over N tokens), decode=N (N greedy steps of one sequence) or
+        batch=B, steps=N (N greedy steps of B sequences after a 128-token prompt each)."""
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"dtype": dtype, what: tokens}) + "\n")
+        self.process.stdin.write(json.dumps({"dtype": dtype, **request}) + "\n")
         self.process.stdin.flush()
         return float(self._answer()["tok_s"])
 

@@ -103,7 +103,7 @@ def head_to_head(model: str, rounds: int, binary: str | None, transformers: str 
                 theirs = llama_bench(binary, model, threads, repeats=1)
                 row["llama.cpp prefill"], row["llama.cpp decode"] = theirs["prefill_512"], theirs["decode_1"]
             if worker:
-                row["transformers bf16 prefill"] = worker.tok_s("bf16", "prefill", prompt_len)
+                row["transformers bf16 prefill"] = worker.tok_s("bf16", prefill=prompt_len)
             for label, llm in llms.items():
                 ours = measure(llm, 1, prompt_len, decode_len)
                 row[f"{label} prefill"], row[f"{label} decode"] = ours["prefill_tok_s"], ours["decode_empty_tok_s"]

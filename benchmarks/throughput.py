@@ -1,7 +1,7 @@
 """Serving throughput: many requests batched by the engine, against the same requests run one by one.
 
 Run: .venv/bin/python -m benchmarks.throughput [--weights auto|fp32|bf16|int8|int4] [--kv-dtype auto|fp32|bf16|int8]
-     [--num-requests N] [--quick] [--seed S] [--transformers PYTHON]
+     [--num-requests N] [--quick] [--seed S] [--transformers PYTHON [--turns N]]
 
 Two fixed-seed workloads on one LLM (prefix cache on, as served):
   uniform  N requests of 128 prompt + 128 output tokens (greedy, ignore_eos), prompts cut from the reference texts
@@ -17,6 +17,9 @@ when the request was added: all at once when batched, so it includes queueing); 
 anchors' aggregate-decode figures (ANCHORS.md) are printed beside the batched decode rate with ratios; with
 --transformers PYTHON (a Python that has transformers, gguf and accelerate), so is transformers' batched decode on the same file,
 measured in the same run (benchmarks/transformers_baseline.py).
+With --turns N (and --transformers), only the uniform workload's batched decode: ours, with the default formats and
+with int8 activations, and transformers bf16's, taking turns N rounds (see turns): the ratios to use on a machine
+whose speed drifts.
 JSON: benchmarks/results/throughput.json (one entry per model/dtype/workload size, earlier entries kept).
 """
 
@@ -34,9 +37,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ANCHORS as COMMON_ANCHORS
-from benchmarks.common import transformers_baseline
+from benchmarks.common import TransformersWorker, transformers_baseline
 from nextoken import LLM, SamplingParams
 from nextoken.engine.request import Request
+from nextoken.errors import NextokenError
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_PROMPTS = ROOT / "tests" / "data" / "reference" / "smollm2" / "hf.json"
@@ -207,6 +211,40 @@ def save(key: str, payload: dict) -> Path:
     return RESULTS
 
 
+def turns(model: str, rounds: int, python: str, num: int, output_len: int, kv_cache_mib: int) -> dict[str, float]:
+    """Aggregate decode taking turns with transformers bf16, `rounds` times: each round its batched decode (`num`
+    sequences x `output_len` greedy steps after 128-token prompts; the model loaded once, see TransformersWorker),
+    then ours on the uniform workload, batched, with the default formats and again with int8 activations. On a
+    machine whose speed drifts from minute to minute, the ratio of neighbours in time is the fair one: each round's
+    figures are printed, then the medians of the per-round ratios."""
+    options = dict(device="cpu", kv_cache_bytes=kv_cache_mib << 20)
+    llms = {"default": LLM(model, **options)}
+    try:
+        llms["int8 activations"] = LLM(model, activations="int8", **options)
+    except NextokenError as e:
+        print(f"{model} int8 activations: skipped ({e})")
+    specs = uniform_workload(llms["default"], num, 128, output_len, random.Random(0))
+    for llm in llms.values():
+        run(llm, [Spec(s.prompt_ids[:32], SamplingParams(temperature=0, max_tokens=4)) for s in specs[:2]],
+            "batched", 2)  # warm-up
+    rows: list[dict[str, float]] = []
+    with TransformersWorker(python, model, torch.get_num_threads()) as worker:
+        for i in range(rounds):
+            row = {"transformers bf16": worker.tok_s("bf16", batch=num, steps=output_len)}
+            for label, llm in llms.items():
+                llm.engine.block_manager.reset_prefix_cache()
+                result = run(llm, specs, "batched", num)
+                row[label] = result.decode_tok_s or 0.0
+            rows.append(row)
+            print(f"  round {i + 1}: aggregate decode tok/s, " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
+    ratios = {f"{label} / transformers bf16": statistics.median(r[label] / r["transformers bf16"] for r in rows)
+              for label in llms}
+    print(f"{model}, {num} sequences, taking turns ({rounds} rounds), medians of the per-round ratios:")
+    for key, ratio in ratios.items():
+        print(f"  {key}: {ratio:.2f}x")
+    return {**{key: statistics.median(r[key] for r in rows) for key in rows[0]}, **ratios}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -223,10 +261,19 @@ def main() -> None:
     parser.add_argument("--transformers", metavar="PYTHON",
                         help="a Python with transformers, gguf and accelerate: its batched decode (bf16 and fp32, as many "
                              "sequences x 128 prompt + the output tokens) on the same file in this run")
+    parser.add_argument("--turns", type=int, default=0,
+                        help="with --transformers: only the uniform batched decode, ours (default and int8 "
+                             "activations) and transformers bf16 taking turns N rounds")
     args = parser.parse_args()
     num = args.num_requests or (16 if args.quick else 64)
     num_serial = min(num, args.one_by_one or (2 if args.quick else 8))
     output_len = 32 if args.quick else 128
+    if args.turns:
+        if not args.transformers:
+            parser.error("--turns needs --transformers")
+        result = turns(args.model, args.turns, args.transformers, num, output_len, args.kv_cache_mib)
+        print(f"\nsaved {save(f'{args.model}/turns/{num}x{output_len}', result)}")
+        return
 
     start = time.perf_counter()
     llm = LLM(args.model, weights=args.weights, kv_dtype=args.kv_dtype, activations=args.activations, device="cpu",

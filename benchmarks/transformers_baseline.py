@@ -16,8 +16,9 @@ transformers loads the GGUF dequantized into the dtype, with SDPA attention, and
 Prompts are fixed-seed random token ids: the work per token does not depend on which.
 
 With --serve it loads each dtype once, prints {"load_s": {dtype: seconds}} as one line, then answers one JSON line per
-request line on stdin, {"dtype": D, "prefill": N} or {"dtype": D, "decode": N}, with {"tok_s": X} (median of 3
-after one warm-up): how latency.py --turns lets transformers take turns with nextoken without reloading.
+request line on stdin, {"dtype": D, "prefill": N} or {"dtype": D, "decode": N} (median of 3 after one warm-up), or
+{"dtype": D, "batch": B, "steps": N} (decode_B, one run), with {"tok_s": X}: how latency.py and throughput.py --turns
+let transformers take turns with nextoken without reloading.
 """
 
 from __future__ import annotations
@@ -83,13 +84,17 @@ def measure(path: Path, dtype: str, prefill: int, decode: int, batch: int, batch
     model = _load(path, dtype)
     result = {"load_s": time.perf_counter() - start}
     gen = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
     result[f"prefill_{prefill}"] = _prefill(model, prefill, gen)
     result["decode_1"] = _decode(model, decode, gen)
     if batch:
-        prompts = torch.randint(10, vocab, (batch, 128), generator=gen)
-        result[f"decode_{batch}"] = batch * batch_steps / _greedy(model, prompts, batch_steps)
+        result[f"decode_{batch}"] = _batched(model, batch, batch_steps, gen)
     return result
+
+
+def _batched(model, batch: int, steps: int, gen: torch.Generator) -> float:
+    """tok/s over all `batch` sequences of `steps` greedy steps after a 128-token prompt each (one run)."""
+    prompts = torch.randint(10, model.config.vocab_size, (batch, 128), generator=gen)
+    return batch * steps / _greedy(model, prompts, steps)
 
 
 def serve(path: Path, dtypes: list[str]) -> None:
@@ -104,7 +109,12 @@ def serve(path: Path, dtypes: list[str]) -> None:
     for line in sys.stdin:
         request = json.loads(line)
         model = models[request["dtype"]]
-        tok_s = _prefill(model, request["prefill"], gen) if "prefill" in request else _decode(model, request["decode"], gen)
+        if "prefill" in request:
+            tok_s = _prefill(model, request["prefill"], gen)
+        elif "decode" in request:
+            tok_s = _decode(model, request["decode"], gen)
+        else:
+            tok_s = _batched(model, request["batch"], request["steps"], gen)
         print(json.dumps({"tok_s": tok_s}), flush=True)
 
 

@@ -66,7 +66,7 @@ FAKE_WORKER = """import json, sys
 print(json.dumps({"load_s": {"bf16": 0.25}}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)
-    print(json.dumps({"tok_s": 1000.0 if "prefill" in request else 10.0}), flush=True)
+    print(json.dumps({"tok_s": 1000.0 if "prefill" in request else 10.0}), flush=True)  # decode or batch
 """
 
 
@@ -81,10 +81,17 @@ def test_latency_turns_alternate_ours_with_transformers(tmp_path: Path) -> None:
     assert r["default decode"] > 0 and r["int8 activations decode"] > 0
 
 
+def test_throughput_turns_alternate_ours_with_transformers(tmp_path: Path) -> None:
+    r = throughput.turns(REAL_MODELS[MODEL], 2, stub_python(tmp_path, FAKE_WORKER), 4, 5, 64)
+    assert r["transformers bf16"] == 10.0  # the stub's answer to {"batch": 4, "steps": 5}
+    assert r["default"] > 0 and r["int8 activations"] > 0
+    assert r["default / transformers bf16"] == pytest.approx(r["default"] / 10)
+
+
 def test_transformers_worker_reports_a_failed_start(tmp_path: Path) -> None:
     broken = stub_python(tmp_path, "import sys\nsys.stderr.write('No module named transformers')\nsys.exit(1)\n")
     with pytest.raises(RuntimeError, match="transformers worker failed: No module named transformers"):
         TransformersWorker(broken, REAL_MODELS[MODEL], 1)
     with TransformersWorker(stub_python(tmp_path, FAKE_WORKER), REAL_MODELS[MODEL], 1) as worker:
         assert worker.load_s == {"bf16": 0.25}
-        assert worker.tok_s("bf16", "decode", 8) == 10.0
+        assert worker.tok_s("bf16", decode=8) == 10.0
