@@ -1022,7 +1022,7 @@ static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float 
  * ones 4j + 16.. in lane j. int16 panels (`bytes` 0) widen those by shifts and masks into the pairs of
  * ig_pair_order; byte panels keep them, in natural order, with each scale group's bias. */
 static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N,
-                       int64_t K, const gemm_panels *p, int prefetch, const int32_t *cols, int64_t nout) {
+                       int64_t K, const gemm_panels *p, int prefetch, const int32_t *outliers, int64_t nout) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, per = kind == 6 ? 4 : 8;
     if (prefetch) { /* the next panel's rows into L2 */
         const int64_t row_bytes = kind == 4 ? K / 2 : K;
@@ -1102,12 +1102,14 @@ static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const
         /* The outlier columns' weights of these 16 rows, from the codes and scales just laid out (bytes): the code
          * of column c sits in byte c % 4 of each row's 32-bit lane of one vector. */
         for (int64_t j = 0; j < nout; j++) {
-            const int64_t c = cols[j], g = c / QK, i = c % QK, shift = 8 * (c % 4);
+            const int64_t c = outliers[j], g = c / QK, i = c % QK, shift = 8 * (c % 4);
             const __m512i lanes = _mm512_loadu_si512(kind == 4 ? vecs + g * 8 + (i % 16) / 4 + (i >= 16 ? 4 : 0)
                                                                : vecs + c / 4);
-            const __m512i q = kind == 4 ? _mm512_and_si512(_mm512_srli_epi32(lanes, (unsigned)shift), _mm512_set1_epi32(0xFF))
+            const __m512i q = kind == 4 ? _mm512_and_si512(_mm512_srli_epi32(lanes, (unsigned)shift),
+                                                           _mm512_set1_epi32(0xFF))
                                         : _mm512_srai_epi32(_mm512_slli_epi32(lanes, (unsigned)(24 - shift)), 24);
-            __m512 w = _mm512_mul_ps(_mm512_loadu_ps(p->scale[h] + (kind == 6 ? c / 16 : g) * 16), _mm512_cvtepi32_ps(q));
+            const __m512 scale = _mm512_loadu_ps(p->scale[h] + (kind == 6 ? c / 16 : g) * 16);
+            __m512 w = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
             if (kind == 4) w = _mm512_add_ps(w, _mm512_loadu_ps(p->offset[h] + g * 16));
             _mm512_storeu_ps(p->outlier[h] + j * 16, w);
         }
@@ -1212,7 +1214,7 @@ static inline __attribute__((always_inline)) void gemm_rows(int kind, int bytes,
 static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
                             const void *qs, const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, width = bytes ? 1 : 2;
-    int32_t cols[OUTLIER_MAX];
+    int32_t outliers[OUTLIER_MAX];
     int64_t nout = 0;
     const int64_t team = threads > 1 && M > 1 ? threads : 1;
     void *rows = malloc((size_t)(M * K * width + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
@@ -1243,8 +1245,8 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
                     for (int64_t c = 0; c < K; c += 16)
                         _mm512_storeu_ps(all + c, _mm512_max_ps(_mm512_loadu_ps(all + c),
                                                                 _mm512_loadu_ps(colmax + t * K + c)));
-                nout = outlier_columns(all, K, all + K, cols);
-                for (int64_t j = 0; j < nout; j++) skip[cols[j] / QK] |= 1u << (cols[j] % QK);
+                nout = outlier_columns(all, K, all + K, outliers);
+                for (int64_t j = 0; j < nout; j++) skip[outliers[j] / QK] |= 1u << (outliers[j] % QK);
             }
         }
 #pragma omp for schedule(static)
@@ -1252,7 +1254,7 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
             if (bytes) {
                 quantize_row8(x + r * ldx, K, (int8_t *)codes + r * K, xd + r * groups, xs + r * groups, kind != 4,
                               nout ? skip : NULL);
-                for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + cols[j]];
+                for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
                 continue;
             }
             int16_t *q = (int16_t *)codes + r * K;
@@ -1278,12 +1280,12 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < pairs_of_panels; c++) {
             if (!block) continue;
-            const int64_t n0 = c * 32, width_n = N - n0 < 32 ? N - n0 : 32;
-            gemm_widen(kind, bytes, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, cols, nout);
+            const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
+            gemm_widen(kind, bytes, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, outliers, nout);
 #define NT_GEMM_ROWS(B)                                                                                   \
-    if (kind == 4) gemm_rows(4, B, codes, xd, xs, M, K, &p, out, ldo, n0, width_n, xo, nout);            \
-    else if (kind == 8) gemm_rows(8, B, codes, xd, xs, M, K, &p, out, ldo, n0, width_n, xo, nout);       \
-    else gemm_rows(6, B, codes, xd, xs, M, K, &p, out, ldo, n0, width_n, xo, nout);
+    if (kind == 4) gemm_rows(4, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);                \
+    else if (kind == 8) gemm_rows(8, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);           \
+    else gemm_rows(6, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);
             if (bytes) { NT_GEMM_ROWS(1) } else { NT_GEMM_ROWS(0) }
 #undef NT_GEMM_ROWS
         }
