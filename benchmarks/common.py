@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from nextoken import LLM
+from nextoken.errors import NextokenError
 from nextoken.loader.registry import resolve_model
 
 RESULTS = Path(__file__).parent / "results"
@@ -82,6 +84,17 @@ def transformers_baseline(python: str, model: str, threads: int, dtypes: tuple[s
     if result.returncode:
         raise RuntimeError(f"transformers baseline failed: {result.stderr.strip()[-800:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def default_and_int8(model: str, **options: object) -> dict[str, LLM]:
+    """The model with the default formats, and again with int8 activations where its weights take them, for the
+    benchmarks' --turns."""
+    llms = {"default": LLM(model, **options)}  # type: ignore[arg-type]
+    try:
+        llms["int8 activations"] = LLM(model, activations="int8", **options)  # type: ignore[arg-type]
+    except NextokenError as e:
+        print(f"{model} int8 activations: skipped ({e})")
+    return llms
 
 
 class TransformersWorker:

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ANCHORS, TransformersWorker, save, transformers_baseline, versus
+from benchmarks.common import ANCHORS, TransformersWorker, default_and_int8, save, transformers_baseline, versus
 from nextoken import LLM, SamplingParams
-from nextoken.errors import NextokenError
 from nextoken.loader.registry import resolve_model
 
 TEXTS = Path(__file__).parent.parent / "tests" / "data" / "reference" / "prompts.json"
@@ -85,12 +84,7 @@ def head_to_head(model: str, rounds: int, binary: str | None, transformers: str 
     TransformersWorker); then ours (prefill 512, decode from an empty context) with the default formats, and again
     with int8 activations. On a machine whose speed drifts from minute to minute, the ratio of neighbours in time is
     the fair one: each round's figures are printed, then the medians of the per-round ratios."""
-    options = dict(device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
-    llms = {"default": LLM(model, **options)}
-    try:
-        llms["int8 activations"] = LLM(model, activations="int8", **options)
-    except NextokenError as e:
-        print(f"{model} int8 activations: skipped ({e})")
+    llms = default_and_int8(model, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
     for llm in llms.values():
         measure(llm, 1, prompt_len, decode_len)  # warm-up
     threads = torch.get_num_threads()

@@ -37,10 +37,9 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ANCHORS as COMMON_ANCHORS
-from benchmarks.common import TransformersWorker, transformers_baseline
+from benchmarks.common import TransformersWorker, default_and_int8, transformers_baseline
 from nextoken import LLM, SamplingParams
 from nextoken.engine.request import Request
-from nextoken.errors import NextokenError
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_PROMPTS = ROOT / "tests" / "data" / "reference" / "smollm2" / "hf.json"
@@ -217,12 +216,7 @@ def turns(model: str, rounds: int, python: str, num: int, output_len: int, kv_ca
     then ours on the uniform workload, batched, with the default formats and again with int8 activations. On a
     machine whose speed drifts from minute to minute, the ratio of neighbours in time is the fair one: each round's
     figures are printed, then the medians of the per-round ratios."""
-    options = dict(device="cpu", kv_cache_bytes=kv_cache_mib << 20)
-    llms = {"default": LLM(model, **options)}
-    try:
-        llms["int8 activations"] = LLM(model, activations="int8", **options)
-    except NextokenError as e:
-        print(f"{model} int8 activations: skipped ({e})")
+    llms = default_and_int8(model, device="cpu", kv_cache_bytes=kv_cache_mib << 20)
     specs = uniform_workload(llms["default"], num, 128, output_len, random.Random(0))
     for llm in llms.values():
         run(llm, [Spec(s.prompt_ids[:32], SamplingParams(temperature=0, max_tokens=4)) for s in specs[:2]],

@@ -41,8 +41,8 @@ class EngineConfig:
     # recomputed in fp32; CPU only) | "auto": int8 on CPU unless float weights were asked for, else fp32.
     lm_head: str = "auto"
     # How block weights (int4, int8) meet the activations in products of many rows (prefill, batches of 12 or more
-    # sequences) on CPUs with AVX-512 VNNI: "int16" codes per 32 values (within ~2e-5 of fp32) | "int8" codes per 32
-    # values, as llama.cpp quantizes them (1.6-1.7x faster products, less precise logits).
+    # sequences, the LM head from 16 rows) on CPUs with AVX-512 VNNI: "int16" codes per 32 values (within ~2e-5 of
+    # fp32) | "int8" codes per 32 values, their outlier columns in fp32 (1.3-1.5x faster products, less precise).
     activations: str = "int16"
     # KV cache storage: "fp32" | "bf16" | "int8" (a fp16 scale per 32 values) | "auto": fp32 on CPU, bf16 on CUDA.
     kv_dtype: str = "auto"

@@ -264,6 +264,24 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
             torch.testing.assert_close(head(many), F.linear(many, dense), rtol=1e-5, atol=1e-5)
 
 
+def test_int8_group_head_takes_int8_activations_from_gemm_rows() -> None:
+    """With activations "int8", the head over the file's blocks runs its GEMM rows (from HEAD_GEMM_ROWS) on int8
+    activation codes (nt_block_gemm8), and fewer rows on the int16 block kernels as before."""
+    lib = native.library()
+    if lib is None or not lib.nt_has_vnni512():
+        pytest.skip("without AVX-512 VNNI int8 activations change nothing (test_native checks that)")
+    gen = torch.Generator().manual_seed(2)
+    head, _ = _int8_head(512, 128, True, 8, gen)
+    few, many = torch.randn(3, 128, generator=gen), torch.randn(HEAD_GEMM_ROWS + 2, 128, generator=gen)
+    int16 = head(few), head(many)
+    head.activations = "int8"
+    assert torch.equal(head(few), int16[0])
+    expected = torch.empty_like(int16[1])
+    native.block_matmul(lib, Q8, many, head.blocks.qs, head.blocks.d, None, expected, gemm=True,
+                        int8_activations=True)
+    assert torch.equal(head(many), expected) and not torch.equal(expected, int16[1])
+
+
 @pytest.mark.parametrize("exact_blocks", [False, True], ids=["requantized", "file-blocks"])
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 def test_int8_group_head_writes_into_a_given_buffer(kernels: str, exact_blocks: bool,

@@ -527,18 +527,27 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
  * every product belong to block b. */
 #define QUAD_BYTES 256
 
+/* One group of 32 values (those whose bit of `skip` is set read as zeros) -> int32 codes of values 0..15 (c0) and
+ * 16..31 (c1) in -levels..levels, rounded to nearest, ties to even; d = absmax / levels, s = d * the codes' sum. */
+static inline void quantize_group(const float *x, uint32_t skip, float levels, __m512i *c0, __m512i *c1, float *d,
+                                  float *s) {
+    const __m512 v0 = _mm512_maskz_loadu_ps((__mmask16)~skip, x);
+    const __m512 v1 = _mm512_maskz_loadu_ps((__mmask16)~(skip >> 16), x + 16);
+    const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const float inv = max > 0 ? levels / max : 0.0f;
+    *c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
+    *c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
+    *d = max / levels;
+    *s = *d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(*c0, *c1));
+}
+
 /* x [K] -> codes as bytes in quads, d and s as quantize_row16's. A last partial quad's missing blocks are left as
  * they are: their weights are read as zeros (q4_vnni_rows). */
 static void quantize_row_quads(const float *x, int64_t K, uint8_t *q, float *d, float *s) {
     const int64_t groups = K / QK;
     for (int64_t b = 0; b < groups; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
-        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv))); /* nearest, ties to even */
-        const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-        d[b] = db;
-        s[b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        __m512i c0, c1;
+        quantize_group(x + b * QK, 0, 32767.0f, &c0, &c1, d + b, s + b);
         uint8_t *dst = q + (b / 4) * QUAD_BYTES + (b % 4) * 16;
         _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0)); /* low bytes */
         _mm_storeu_si128((__m128i *)(dst + 64), _mm512_cvtepi32_epi8(c1));
@@ -1002,15 +1011,8 @@ static int64_t outlier_columns(const float *colmax, int64_t K, float *scratch, i
  * values of group b where bit i of skip[b] is set count as zeros (outlier columns; skip may be null). */
 static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float *s, int flip, const uint32_t *skip) {
     for (int64_t b = 0; b < K / QK; b++) {
-        const uint32_t out = skip ? skip[b] : 0;
-        const __m512 v0 = _mm512_maskz_loadu_ps((__mmask16)~out, x + b * QK);
-        const __m512 v1 = _mm512_maskz_loadu_ps((__mmask16)~(out >> 16), x + b * QK + 16);
-        const float max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        const float db = max / 127.0f, inv = max > 0 ? 127.0f / max : 0.0f;
-        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv))); /* nearest, ties to even */
-        const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-        d[b] = db;
-        s[b] = db * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        __m512i c0, c1;
+        quantize_group(x + b * QK, skip ? skip[b] : 0, 127.0f, &c0, &c1, d + b, s + b);
         const __m128i sign = _mm_set1_epi8(flip ? (char)0x80 : 0);
         _mm_storeu_si128((__m128i *)(q + b * QK), _mm_xor_si128(_mm512_cvtepi32_epi8(c0), sign));
         _mm_storeu_si128((__m128i *)(q + b * QK + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(c1), sign));
