@@ -94,6 +94,8 @@ def default_and_int8(model: str, **options: object) -> dict[str, LLM]:
         llms["int8 activations"] = LLM(model, activations="int8", **options)  # type: ignore[arg-type]
     except NextokenError as e:
         print(f"{model} int8 activations: skipped ({e})")
+    for llm in llms.values():
+        llm.engine.runner.settle()  # the weights on huge pages before any timing
     return llms
 
 

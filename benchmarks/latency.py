@@ -46,6 +46,7 @@ def prompt_ids(llm: LLM, length: int) -> list[int]:
 def measure(llm: LLM, repeats: int, prompt_len: int = 512, decode_len: int = 128) -> dict[str, float]:
     ids = prompt_ids(llm, prompt_len)
     params = SamplingParams(temperature=0, max_tokens=decode_len, ignore_eos=True)
+    llm.engine.runner.settle()  # the weights on huge pages before any timing (runner.HugePageMove)
     llm.generate(ids[:64], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up
     # From an empty context: the prompt's one token is the first decode step; then decode_len more.
     empty = SamplingParams(temperature=0, max_tokens=decode_len + 1, ignore_eos=True)

@@ -24,6 +24,7 @@ from nextoken import LLM, SamplingParams
 
 def run(model: str, weights: str, batch: int, steps: int, kv_dtype: str) -> str:
     llm = LLM(model, weights=weights, kv_dtype=kv_dtype, device="cpu", enable_prefix_caching=False)
+    llm.engine.runner.settle()  # the weights on huge pages before any timing
     engine = llm.engine
     ids = prompt_ids(llm, 128 + batch)
     params = SamplingParams(temperature=0, max_tokens=steps * 3 + 8, ignore_eos=True)

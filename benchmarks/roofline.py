@@ -80,6 +80,7 @@ def _hot_products(lib: Any, linears: list[BlockLinear], num_layers: int, passes:
 
 def measure(name: str, rounds: int, steps: int, llama: str | None = None) -> dict:
     llm = LLM(name, device="cpu", enable_prefix_caching=False)
+    llm.engine.runner.settle()  # the weights on huge pages before any timing
     engine, model = llm.engine, llm.engine.runner.model
     lib = native.library()
     if lib is None or model.fused is None or model.quantized_head is None:

@@ -273,6 +273,7 @@ def main() -> None:
     llm = LLM(args.model, weights=args.weights, kv_dtype=args.kv_dtype, activations=args.activations, device="cpu",
               kv_cache_bytes=args.kv_cache_mib << 20)
     load_s = time.perf_counter() - start
+    llm.engine.runner.settle()  # the weights on huge pages before any timing
     fmt = f"weights {llm.engine.runner.weights}, KV {llm.engine.runner.kv_dtype}, activations {args.activations}"
     bm = llm.engine.block_manager
     print(f"nextoken throughput: {args.model}, {fmt}, cpu, {torch.get_num_threads()} threads, seed {args.seed}, "

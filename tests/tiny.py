@@ -61,10 +61,12 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
 def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, overrides: dict[str, Any] | None = None,
                      drop: tuple[str, ...] = (), num_layers: int | None = None,
                      shape: dict[str, int] | None = None, projections: gguf.GGMLQuantizationType | None = None,
-                     wrong_shape: tuple[str, int, int] | None = None) -> Path:
+                     wrong_shape: tuple[str, int, int] | None = None,
+                     table: gguf.GGMLQuantizationType | None = None) -> Path:
     """`shape` gives a model of real size with random weights (for speed, not answers): any of hidden, ffn, heads,
     kv_heads, head_dim, layers, context, and vocab (the vocabulary padded with plain tokens up to that size).
-    `projections`: a block type the projection weights are stored in (gguf's own quantizer); `wrong_shape`: (a
+    `projections`: a block type the projection weights are stored in (gguf's own quantizer), `table` the same for
+    the token table; `wrong_shape`: (a
     tensor name, an axis, a count), that tensor written with `count` more along the axis."""
     rng = np.random.default_rng(seed)
     overrides = overrides or {}
@@ -156,8 +158,9 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
         if wrong_shape is not None and name == wrong_shape[0]:
             shape = tuple(n + wrong_shape[2] * (axis == wrong_shape[1]) for axis, n in enumerate(shape))
         values = (around + scale * rng.standard_normal(shape)).astype(np.float32)
-        if projections is not None and len(shape) == 2 and name.startswith("blk."):
-            w.add_tensor(name, gguf.quants.quantize(values, projections), raw_dtype=projections)
+        qtype = table if name == "token_embd.weight" else projections if name.startswith("blk.") else None
+        if qtype is not None and len(shape) == 2:
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, values)
 
