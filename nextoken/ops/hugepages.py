@@ -15,6 +15,7 @@ then.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -156,4 +157,13 @@ class HugePageMove:
         for m in self._tables:
             m.codes, m.scales = copies[id(m.codes)], copies[id(m.scales)]
         self._weights, self._tables, self._arena = [], [], _Arena(())
+        _release_freed_memory()
         return True
+
+
+def _release_freed_memory() -> None:
+    """Hand the freed originals' memory back to the system: glibc keeps what the loader's many smaller allocations
+    freed (Gemma 3: 771 MB resident after the move, 663 MB after this, 700 MB before the move)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
