@@ -226,7 +226,9 @@ class AsyncEngine:
         while True:
             with self._cond:
                 while not self._commands and not self._stop_thread and not self.engine.has_unfinished():
-                    self._cond.wait()
+                    # Idle: pending background work is checked on now and then (an idle server would otherwise
+                    # hold the weights twice until its first request).
+                    self._cond.wait(0.05 if self.engine.idle_work() else None)
                 commands, self._commands = self._commands, []
                 self._num_in_hand = len(commands)
                 stopping = self._stop_thread

@@ -147,6 +147,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
+    def idle_work(self) -> bool:
+        """Work for a moment without requests: the weights' move onto huge pages, applied once its copy is ready
+        (otherwise the first step after it applies it). Returns whether some is still pending."""
+        move = self.runner.huge_pages
+        if move is None:
+            return False
+        if move.ready:
+            self.runner.settle()
+            return False
+        return True
+
     # --- the loop --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -195,3 +195,21 @@ def test_shutdown_past_its_deadline_aborts(tiny_llama: Path) -> None:
             await running
 
     _run(engine, body)
+
+
+def test_idle_engine_applies_the_huge_page_move(tiny_llama: Path) -> None:
+    """Without any request, the engine thread applies the weights' move onto huge pages once its copy is ready: an
+    idle server does not hold the weights twice."""
+    engine = _engine(tiny_llama, weights="int4")
+    move = engine.runner.huge_pages
+    assert move is not None and not move.applied
+
+    async def body(async_engine: AsyncEngine) -> None:
+        for _ in range(200):
+            if engine.runner.huge_pages is None:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.runner.huge_pages is None and move.applied
+        assert await _tokens(async_engine.generate(engine.tokenizer.encode("the cat sat"), GREEDY, "after")) != []
+
+    _run(engine, body)
