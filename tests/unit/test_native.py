@@ -58,12 +58,13 @@ def dequantized(part: BlockWeight) -> torch.Tensor:
     return w
 
 
-def test_one_row_q4_products_by_byte_multiply_adds(lib: ctypes.CDLL, avx2: ctypes.CDLL,
-                                                   portable: ctypes.CDLL) -> None:
+@pytest.mark.parametrize("kind", [Q4, Q8, Q8_HALVES])
+def test_one_row_products_on_vnni(kind: int, lib: ctypes.CDLL, avx2: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, one activation row meets Q4 weights through byte multiply-adds on the int16 codes split
-    into bytes: the same integer sums as the int16 route, so the three builds agree to the float sums' order, and
-    all are within the activations' rounding of a float64 product over the dequantized weight. Row counts past whole
-    tiles of four and thread chunks of 16; 1 to 4 blocks in a last quad of blocks (K = 96 ... 1536); 1-3 threads."""
+    into bytes, and int8 weights (Q8, Q8 in halves) through 512-bit multiply-adds of int16 pairs: the same integer
+    sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within the
+    activations' rounding of a float64 product over the dequantized weight. Row counts past whole tiles of four and
+    thread chunks of 16; 1 to 4 blocks in a last quad of blocks, odd block counts (K = 32 ... 1536); 1-3 threads."""
     if not lib.nt_has_vnni512():
         pytest.skip("this CPU has no AVX-512 VNNI: the host build is the AVX2 one, tested against the portable one")
     assert avx2.nt_has_avx2() == 1 and avx2.nt_has_vnni512() == 0
@@ -71,7 +72,14 @@ def test_one_row_q4_products_by_byte_multiply_adds(lib: ctypes.CDLL, avx2: ctype
     for n, k in ((1, 32), (3, 64), (17, 96), (43, 128), (64, 160), (35, 576), (21, 640), (50, 1536)):
         w = torch.randn(n, k, generator=gen)
         w[0, :32] = 0  # a block whose scale is zero
-        part = q4_weight(*regroup(w))
+        if kind == Q4:
+            part = q4_weight(*regroup(w))
+        elif kind == Q8:
+            part = q8_weight(*q8_codes(None, None, w))
+        else:  # Q6_K's form: codes over -32..31, an fp32 scale per 16
+            part = q8_weight(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
+                             torch.rand(n, k // 16, generator=gen) / 10)
+        assert part.kind == kind
         dense = dequantized(part)
         x = torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4
         x[0, 32:64] = 0  # an activation block of zeros (its scale is zero)
@@ -82,7 +90,7 @@ def test_one_row_q4_products_by_byte_multiply_adds(lib: ctypes.CDLL, avx2: ctype
                 outs = []
                 for library in (lib, avx2, portable):
                     out = torch.full((1, n), float("nan"))
-                    native.block_matmul(library, Q4, x, part.qs, part.d, part.m, out)
+                    native.block_matmul(library, kind, x, part.qs, part.d, part.m, out)
                     outs.append(out)
             finally:
                 torch.set_num_threads(2)
