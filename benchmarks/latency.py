@@ -23,6 +23,7 @@ import argparse
 import json
 import statistics
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,7 +84,7 @@ def head_to_head(model: str, rounds: int, binary: str | None, transformers: str 
     """nextoken taking turns with the baselines, `rounds` times. Each round: one llama-bench run (pp512, tg128) where
     a binary is given; transformers bf16's prefill of 512 tokens where a Python is given (loaded once: see
     TransformersWorker); then ours (prefill 512, decode from an empty context) with the default formats, and again
-    with int8 activations. On a machine whose speed drifts from minute to minute, the ratio of neighbours in time is
+    with int8 activations; every other round in the reverse order. On a machine whose speed drifts from minute to minute, the ratio of neighbours in time is
     the fair one: each round's figures are printed, then the medians of the per-round ratios."""
     llms = default_and_int8(model, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
     for llm in llms.values():
@@ -91,17 +92,28 @@ def head_to_head(model: str, rounds: int, binary: str | None, transformers: str 
     threads = torch.get_num_threads()
     worker = TransformersWorker(transformers, model, threads) if transformers else None
     rows: list[dict[str, float]] = []
+    def llama_cpp(row: dict[str, float]) -> None:
+        theirs = llama_bench(binary, model, threads, repeats=1)  # type: ignore[arg-type]
+        row["llama.cpp prefill"], row["llama.cpp decode"] = theirs["prefill_512"], theirs["decode_1"]
+
+    def transformers_bf16(row: dict[str, float]) -> None:
+        row["transformers bf16 prefill"] = worker.tok_s("bf16", prefill=prompt_len)  # type: ignore[union-attr]
+
+    def nextoken(label: str, llm: LLM) -> Callable[[dict[str, float]], None]:
+        def run(row: dict[str, float]) -> None:
+            ours = measure(llm, 1, prompt_len, decode_len)
+            row[f"{label} prefill"], row[f"{label} decode"] = ours["prefill_tok_s"], ours["decode_empty_tok_s"]
+        return run
+
+    # Every other round runs in the reverse order: what runs right after a heavy neighbour (llama-bench's own
+    # threads, say) may find the machine slower for a while, and no one should always be the one after.
+    turns = ([llama_cpp] if binary else []) + ([transformers_bf16] if worker else [])
+    turns += [nextoken(label, llm) for label, llm in llms.items()]
     try:
         for i in range(rounds):
             row: dict[str, float] = {}
-            if binary:
-                theirs = llama_bench(binary, model, threads, repeats=1)
-                row["llama.cpp prefill"], row["llama.cpp decode"] = theirs["prefill_512"], theirs["decode_1"]
-            if worker:
-                row["transformers bf16 prefill"] = worker.tok_s("bf16", prefill=prompt_len)
-            for label, llm in llms.items():
-                ours = measure(llm, 1, prompt_len, decode_len)
-                row[f"{label} prefill"], row[f"{label} decode"] = ours["prefill_tok_s"], ours["decode_empty_tok_s"]
+            for turn in turns if i % 2 == 0 else turns[::-1]:
+                turn(row)
             rows.append(row)
             print(f"  round {i + 1}: " + ", ".join(f"{key} {value:.1f}" for key, value in row.items()))
     finally:

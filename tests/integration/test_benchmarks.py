@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import latency, profile_decode, roofline, throughput
+from benchmarks import common, latency, profile_decode, roofline, throughput
 from benchmarks.common import TransformersWorker
 from nextoken import LLM
 from tests.conftest import REAL_MODELS
@@ -70,11 +70,19 @@ for line in sys.stdin:
 """
 
 
-def test_latency_turns_alternate_ours_with_transformers(tmp_path: Path) -> None:
+def test_latency_turns_alternate_ours_with_transformers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--turns: each round measures transformers' prefill through the worker, then ours with the default formats
-    and with int8 activations; the ratios are medians of per-round ratios."""
+    and with int8 activations, every other round in the reverse order; the ratios are medians of per-round
+    ratios."""
+    order: list[str] = []
+    measure, tok_s = latency.measure, common.TransformersWorker.tok_s
+    monkeypatch.setattr(latency, "measure", lambda llm, *a: order.append("ours") or measure(llm, *a))
+    monkeypatch.setattr(common.TransformersWorker, "tok_s",
+                        lambda self, *a, **k: order.append("transformers") or tok_s(self, *a, **k))
     r = latency.head_to_head(REAL_MODELS[MODEL], 2, None, stub_python(tmp_path, FAKE_WORKER), prompt_len=48,
                              decode_len=4)
+    # two warm-ups, then round 1 and round 2 reversed
+    assert order == ["ours", "ours", "transformers", "ours", "ours", "ours", "ours", "transformers"]
     assert r["transformers bf16 prefill"] == 1000.0
     assert r["default prefill / transformers bf16 prefill"] == pytest.approx(r["default prefill"] / 1000)
     assert r["int8 activations prefill / default prefill"] > 0
