@@ -11,7 +11,8 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    """Where assembled model files and built tokenizers are kept ($NEXTOKEN_CACHE_DIR, default ~/.cache/nextoken)."""
+    """Where assembled model files, built tokenizers and the native kernels are kept ($NEXTOKEN_CACHE_DIR, default
+    ~/.cache/nextoken)."""
     return Path(os.environ.get("NEXTOKEN_CACHE_DIR") or Path.home() / ".cache" / "nextoken")
 
 

@@ -76,8 +76,7 @@ class _Arena:
         self.buffer: torch.Tensor | None = None
 
     def fill(self) -> None:
-        """Allocate the buffer and copy every tensor into it. Only ctypes calls past the allocation (no torch op,
-        the GIL let go): safe on a background thread that a quitting interpreter may stop anywhere."""
+        """Allocate the buffer and copy every tensor into it: ctypes calls past the allocation, the GIL let go."""
         if self.size == 0:
             return
         buffer = huge_buffer(self.size)
@@ -127,7 +126,9 @@ class HugePageMove:
         self._arena = _Arena(tensors)
         self.bytes = self._arena.size
         self.applied = False
-        self._thread = threading.Thread(target=self._fill, name="nextoken-huge-pages", daemon=True)
+        # Not a daemon: a process quitting mid-copy waits for it (at most the population's time) rather than have
+        # the interpreter stop the thread in a native call, which aborted a quick `nextoken run` error exit.
+        self._thread = threading.Thread(target=self._fill, name="nextoken-huge-pages")
         self._thread.start()
 
     def _fill(self) -> None:

@@ -371,7 +371,7 @@ def test_unbuildable_library_is_reported_and_skipped(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("NEXTOKEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="nextoken.native"):
         assert native.library() is None
     assert "native kernels unavailable" in caplog.text

@@ -8,9 +8,10 @@ torch's on skinny shapes), RMSNorm fused with the residual add, paged decode att
 decoder block of a decode step at once (`decode_layers`, used by models/fused.py).
 
 The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
-a cache directory keyed by the source and the CPU ($NEXTOKEN_CACHE, default ~/.cache/nextoken). It links the OpenMP
-runtime torch already loaded, so both share one thread pool. Where there is no compiler, or NEXTOKEN_NATIVE=0, the
-callers keep torch's kernels: `library()` returns None and says why once in the log.
+the cache directory (config.cache_dir(): $NEXTOKEN_CACHE_DIR, default ~/.cache/nextoken), keyed by the source and
+the CPU. It links the OpenMP runtime torch already loaded, so both share one thread pool. Where there is no
+compiler, or NEXTOKEN_NATIVE=0, the callers keep torch's kernels: `library()` returns None and says why once in the
+log.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from nextoken import config
 
 logger = logging.getLogger("nextoken.native")
 
@@ -64,7 +67,7 @@ def build(source: Path = SOURCE, flags: list[str] | None = None, cache_dir: Path
         raise RuntimeError("no C compiler found (cc or gcc; or set CC)")
     text = source.read_bytes()
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), compiler.encode(), _cpu_key().encode()]))
-    root = cache_dir or Path(os.environ.get("NEXTOKEN_CACHE", Path.home() / ".cache" / "nextoken"))
+    root = cache_dir or config.cache_dir()
     target = root / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
