@@ -84,8 +84,9 @@ def head_to_head(model: str, rounds: int, binary: str | None, transformers: str 
     """nextoken taking turns with the baselines, `rounds` times. Each round: one llama-bench run (pp512, tg128) where
     a binary is given; transformers bf16's prefill of 512 tokens where a Python is given (loaded once: see
     TransformersWorker); then ours (prefill 512, decode from an empty context) with the default formats, and again
-    with int8 activations; every other round in the reverse order. On a machine whose speed drifts from minute to minute, the ratio of neighbours in time is
-    the fair one: each round's figures are printed, then the medians of the per-round ratios."""
+    with int8 activations; every other round in the reverse order. On a machine whose speed drifts from minute to
+    minute, the ratio of neighbours in time is the fair one: each round's figures are printed, then the medians of
+    the per-round ratios."""
     llms = default_and_int8(model, device="cpu", enable_prefix_caching=False, kv_cache_bytes=256 << 20)
     for llm in llms.values():
         measure(llm, 1, prompt_len, decode_len)  # warm-up

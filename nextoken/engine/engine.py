@@ -150,13 +150,7 @@ class LLMEngine:
     def idle_work(self) -> bool:
         """Work for a moment without requests: the weights' move onto huge pages, applied once its copy is ready
         (otherwise the first step after it applies it). Returns whether some is still pending."""
-        move = self.runner.huge_pages
-        if move is None:
-            return False
-        if move.ready:
-            self.runner.settle()
-            return False
-        return True
+        return self.runner.settle(wait=False)
 
     # --- the loop --------------------------------------------------------------------------------------------
 

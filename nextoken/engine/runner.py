@@ -160,8 +160,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
         """Run one forward pass over the scheduled chunks -> (the batch, fp32 logits [num_logits, vocab])."""
-        if self.huge_pages is not None and self.huge_pages.ready:
-            self.settle()
+        self.settle(wait=False)
         batch = ForwardBatch.build(scheduled, self.block_size, self.device)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
@@ -169,14 +168,17 @@ class ModelRunner:
                                 batch.logits_indices, self._logits_out(batch))
         return batch, logits
 
-    def settle(self) -> None:
-        """Finish the background move of the weights onto huge pages (waiting for it) and run on the copies from
-        now on: the fused decoder is rebuilt over their addresses."""
-        if self.huge_pages is None:
-            return
-        move, self.huge_pages = self.huge_pages, None
+    def settle(self, wait: bool = True) -> bool:
+        """Finish the background move of the weights onto huge pages (waiting for its copy, or only if it is ready)
+        and run on the copies from now on: the fused decoder is rebuilt over their addresses. Returns whether the
+        move is still pending."""
+        move = self.huge_pages
+        if move is None or not (wait or move.ready):
+            return move is not None
+        self.huge_pages = None
         if move.apply(wait=True):
             self.model.fused = FusedDecoder.build(self.model)
+        return False
 
     def _logits_out(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Where a step's logits go: one buffer kept between steps (the logits are used before the next step;

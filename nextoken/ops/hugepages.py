@@ -15,9 +15,9 @@ then.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import sys
@@ -34,13 +34,19 @@ ALIGN = 64  # each tensor starts on a cache line
 MADV_HUGEPAGE, MADV_POPULATE_WRITE = 14, 23  # linux/mman.h (the second from Linux 5.14)
 
 
-def _madvise(address: int, length: int, advice: int) -> bool:
-    """madvise through ctypes, which lets go of the GIL for the call (populating can take a while)."""
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux (madvise, malloc_trim), through ctypes, which lets go of the GIL for each call."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+    return libc
+
+
+def _madvise(address: int, length: int, advice: int) -> bool:
+    libc = _libc()
+    return libc is not None and libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
 
 
 def huge_buffer(nbytes: int) -> torch.Tensor:
@@ -165,6 +171,6 @@ class HugePageMove:
 def _release_freed_memory() -> None:
     """Hand the freed originals' memory back to the system: glibc keeps what the loader's many smaller allocations
     freed (Gemma 3: 771 MB resident after the move, 663 MB after this, 700 MB before the move)."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):  # glibc's
+        libc.malloc_trim(0)

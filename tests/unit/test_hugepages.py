@@ -5,6 +5,7 @@ huge pages for advised memory) that arena backed by 2 MB pages."""
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ def test_loaded_model_blocks_move_into_one_arena_between_steps(tmp_path: Path) -
     assert move is not None and move.bytes > 0
     params = SamplingParams(temperature=0, max_tokens=8)
     while not move.ready:  # steps before the copies are ready run on the originals
-        move._thread.join(0.01)
+        time.sleep(0.01)
     expected = llm.generate("the cat sat", params, use_tqdm=False)[0].token_ids  # its first step applies the move
     assert runner.huge_pages is None
     tensors = block_tensors(model)
