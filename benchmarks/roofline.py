@@ -8,8 +8,10 @@ projections' blocks and the head's), and:
   the kernels split their rows (nt_stream_read);
 - the compute floor of the projections: their block products (nt_block_matmul, one activation row) over one layer's
   weights while these sit in cache (the best of several passes), times the number of layers;
-- the measured step, split into the native call running every decoder block, the LM head, and the rest (batch
-  building, embedding, sampling, the engine's bookkeeping: Python).
+- the measured step: the one native call that runs the whole step (NativeStep: embedding, every decoder block, the
+  LM head, the greedy pick) and the rest (scheduling, batch building, the engine's bookkeeping: Python);
+- the same steps through the modules (the engine's path where a step cannot be one call), split into the native
+  call running every decoder block, the LM head, and the rest (embedding, batch building, sampling, bookkeeping).
 With --llama-bench, each round also runs llama.cpp's tg128 on the same file: the memory floor's tok/s over llama.cpp's
 in the same round is the most that any engine reading these bytes could reach against it.
 Each round takes all of them one after another, so that they share the same minute of this machine (whose speed
@@ -30,6 +32,7 @@ from benchmarks.common import save
 from benchmarks.latency import llama_bench
 from nextoken import LLM, SamplingParams
 from nextoken.ops import native
+from nextoken.models.fused import NativeStep
 from nextoken.ops.quant_linear import BlockLinear
 
 PROJECTIONS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -90,9 +93,13 @@ def measure(name: str, rounds: int, steps: int, llama: str | None = None) -> dic
     nbytes = {"projections": sum(t.nbytes for t in projections), "head": sum(t.nbytes for t in head)}
     middle = model.layers[len(model.layers) // 2]
     linears = [middle.get_submodule(n) for n in PROJECTIONS]
-    layers = model.fused = _Timed(model.fused)
-    head_seconds = [0.0]
-    compute_logits = model.compute_logits
+    runner, fused = engine.runner, model.fused
+    whole = NativeStep.build(model)
+    if whole is None:
+        raise SystemExit(f"{name}: its decode steps do not run as one native call")
+    layers = model.fused = _Timed(fused)
+    head_seconds, step_seconds = [0.0], [0.0]
+    compute_logits, decode_step = model.compute_logits, native.decode_step
 
     def timed_logits(hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         start = time.perf_counter()
@@ -100,29 +107,49 @@ def measure(name: str, rounds: int, steps: int, llama: str | None = None) -> dic
         head_seconds[0] += time.perf_counter() - start
         return out
 
-    model.compute_logits = timed_logits
-    rows = []
-    for _ in range(rounds):
-        stream = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            native.stream_read(lib, projections + head)
-            stream = min(stream, time.perf_counter() - start)
-        hot = _hot_products(lib, linears, len(model.layers))
+    def timed_step(*args: Any) -> None:
+        start = time.perf_counter()
+        decode_step(*args)
+        step_seconds[0] += time.perf_counter() - start
+
+    model.compute_logits, native.decode_step = timed_logits, timed_step
+
+    def decode(one_call: bool) -> tuple[float, int]:
+        """(seconds per decode step, steps timed), either way (the runner's choice pinned); the timers then hold
+        their totals over those steps."""
+        runner._step = (layers, whole if one_call else None)
         engine.add_request([1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
         for _ in range(8):  # the prompt, then a few decode steps
             engine.step()
-        layers.seconds = head_seconds[0] = 0.0
+        layers.seconds = head_seconds[0] = step_seconds[0] = 0.0
         start, done = time.perf_counter(), 0
         while engine.has_unfinished():
             engine.step()
             done += 1
-        rows.append({"stream_s": stream, "hot_products_s": hot, "step_s": (time.perf_counter() - start) / done,
-                     "layers_s": layers.seconds / done, "head_s": head_seconds[0] / done})
-        if llama is not None:
-            rows[-1]["llama_tok_s"] = llama_bench(llama, name, torch.get_num_threads(), repeats=1, prompt=0)["decode_1"]
-            rows[-1]["floor_over_llama"] = 1 / stream / rows[-1]["llama_tok_s"]
-            rows[-1]["ours_over_llama"] = 1 / rows[-1]["step_s"] / rows[-1]["llama_tok_s"]
+        return (time.perf_counter() - start) / done, done
+
+    rows = []
+    try:
+        for _ in range(rounds):
+            stream = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                native.stream_read(lib, projections + head)
+                stream = min(stream, time.perf_counter() - start)
+            hot = _hot_products(lib, linears, len(model.layers))
+            step, done = decode(True)
+            rows.append({"stream_s": stream, "hot_products_s": hot, "step_s": step,
+                         "native_s": step_seconds[0] / done})
+            rows[-1]["module_step_s"], done = decode(False)
+            rows[-1].update(layers_s=layers.seconds / done, head_s=head_seconds[0] / done)
+            if llama is not None:
+                rows[-1]["llama_tok_s"] = llama_bench(llama, name, torch.get_num_threads(), repeats=1,
+                                                      prompt=0)["decode_1"]
+                rows[-1]["floor_over_llama"] = 1 / stream / rows[-1]["llama_tok_s"]
+                rows[-1]["ours_over_llama"] = 1 / rows[-1]["step_s"] / rows[-1]["llama_tok_s"]
+    finally:
+        model.fused, model.compute_logits, native.decode_step = fused, compute_logits, decode_step
+        runner._step = (None, None)
     return {"bytes": nbytes, "rounds": rows,
             "median": {key: statistics.median(r[key] for r in rows) for key in rows[0]}}
 
@@ -139,7 +166,7 @@ def main() -> None:
         r = measure(name, args.rounds, args.steps, args.llama_bench)
         med, b = r["median"], r["bytes"]
         total = b["projections"] + b["head"]
-        rest = med["step_s"] - med["layers_s"] - med["head_s"]
+        rest = med["module_step_s"] - med["layers_s"] - med["head_s"]
         print(f"{name}: a decode step reads {total / 1e6:.1f} MB ({b['projections'] / 1e6:.1f} MB of projection "
               f"blocks, {b['head'] / 1e6:.1f} MB of LM head); medians of {args.rounds} rounds on "
               f"{torch.get_num_threads()} threads:")
@@ -147,8 +174,10 @@ def main() -> None:
               f"GB/s: at most {1 / med['stream_s']:.0f} tok/s")
         print(f"  compute floor   {med['hot_products_s'] * 1e3:6.2f} ms  the projections' products with their "
               f"weights in cache")
-        print(f"  measured step   {med['step_s'] * 1e3:6.2f} ms  {1 / med['step_s']:.0f} tok/s: decoder blocks "
-              f"{med['layers_s'] * 1e3:.2f} ms, LM head {med['head_s'] * 1e3:.2f} ms "
+        print(f"  measured step   {med['step_s'] * 1e3:6.2f} ms  {1 / med['step_s']:.0f} tok/s: the one native call "
+              f"{med['native_s'] * 1e3:.2f} ms, the rest {(med['step_s'] - med['native_s']) * 1e3:.2f} ms")
+        print(f"  module path     {med['module_step_s'] * 1e3:6.2f} ms  {1 / med['module_step_s']:.0f} tok/s: decoder "
+              f"blocks {med['layers_s'] * 1e3:.2f} ms, LM head {med['head_s'] * 1e3:.2f} ms "
               f"({b['head'] / med['head_s'] / 1e9:.1f} GB/s), the rest {rest * 1e3:.2f} ms")
         if args.llama_bench:
             print(f"  llama.cpp tg128 {med['llama_tok_s']:6.1f} tok/s in the same rounds: nextoken "

@@ -8,7 +8,8 @@ for. `sample_rows[i]` is the position in the logits of request i's sampling row 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -24,6 +25,7 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None  # [num_logits] int64; None: every token's row
     sample_rows: list[int | None]  # per scheduled request
     prompt_logprob_rows: list[tuple[int, int, int] | None]  # per request: (first row, rows, first position)
+    greedy_ids: list[int] | None = None  # each sampling row's argmax, where the step took it (DecodeBatch's)
 
     @classmethod
     def build(cls, scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ForwardBatch:
@@ -58,11 +60,8 @@ class ForwardBatch:
                 logits_indices.append(len(input_ids) - 1)
             else:
                 sample_rows.append(None)
-        first_blocks = [table[0] if table and table[-1] - table[0] == len(table) - 1 and
-                        all(b - a == 1 for a, b in zip(table, table[1:])) else None
-                        for table in (item.request.block_table for item in scheduled)]
-        max_blocks = max(len(item.request.block_table) for item in scheduled)
         tables = [item.request.block_table for item in scheduled]
+        max_blocks = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
         as_long = dict(dtype=torch.long, device=device)
         n = len(input_ids)
@@ -76,7 +75,7 @@ class ForwardBatch:
                 seq_lens=seq_lens,
                 block_tables=block_tables.to(device),
                 block_size=block_size,
-                first_blocks=first_blocks,
+                first_blocks=first_blocks(tables),
             ),
             # None where every row is wanted in order (decode steps): no gathered copy then.
             logits_indices=None if logits_indices == list(range(len(input_ids))) else torch.tensor(logits_indices,
@@ -84,3 +83,79 @@ class ForwardBatch:
             sample_rows=sample_rows,
             prompt_logprob_rows=prompt_rows,
         )
+
+
+def first_blocks(tables: list[list[int]]) -> list[int | None]:
+    """Per block table, its first block where its blocks are consecutive (AttentionMetadata.first_blocks)."""
+    return [t[0] if t and t[-1] - t[0] == len(t) - 1 and all(b - a == 1 for a, b in zip(t, t[1:])) else None
+            for t in tables]
+
+
+@dataclass
+class DecodeBatch:
+    """A step of one new token per sequence, each drawing the next, for the native decode step (models/fused.py,
+    NativeStep): its inputs as one flat list of ints, laid out as the kernel reads them (token ids, positions, cache
+    slots and context lengths [rows] each, then the block tables [rows, table_stride], padded with 0). The engine
+    reads the same `sample_rows` and `prompt_logprob_rows` as a ForwardBatch's; its tensors (`input_ids`...) are
+    built only if something asks for them (the module path run over the same step, in tests)."""
+
+    ints: list[int]
+    rows: int
+    table_stride: int
+    table_lens: list[int]  # blocks in each table
+    block_size: int
+    sample_rows: list[int | None]
+    prompt_logprob_rows: list[tuple[int, int, int] | None]
+    # Each row's argmax, where the native step took it (every row greedy, without penalties or log-probabilities).
+    greedy_ids: list[int] | None = None
+    logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def build(cls, scheduled: list[ScheduledRequest], block_size: int) -> DecodeBatch | None:
+        """None unless every chunk is one token that draws the next (and asks for no prompt log-probabilities)."""
+        ids, positions, slots, lens, tables = [], [], [], [], []
+        for item in scheduled:
+            req = item.request
+            p = req.num_computed_tokens
+            if item.num_new_tokens != 1 or not item.samples or (req.params.prompt_logprobs is not None
+                                                               and p < req.num_prompt_tokens):
+                return None
+            table = req.block_table
+            ids.append(req.all_ids[p])
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+            lens.append(p + 1)
+            tables.append(table)
+        stride = max(len(t) for t in tables)
+        ints = ids + positions + slots + lens
+        for t in tables:
+            ints += t
+            ints += [0] * (stride - len(t))
+        n = len(scheduled)
+        return cls(ints, n, stride, [len(t) for t in tables], block_size, list(range(n)), [None] * n)
+
+    @cached_property
+    def _tensors(self) -> ForwardBatch:
+        n, stride = self.rows, self.table_stride
+        flat = torch.tensor(self.ints, dtype=torch.long)
+        tables = [self.ints[4 * n + i * stride:4 * n + i * stride + count] for i, count in enumerate(self.table_lens)]
+        meta = AttentionMetadata(slot_mapping=flat[2 * n:3 * n], query_start_loc=list(range(n + 1)),
+                                 seq_lens=self.ints[3 * n:4 * n], block_tables=flat[4 * n:].view(n, stride),
+                                 block_size=self.block_size, first_blocks=first_blocks(tables))
+        return ForwardBatch(flat[:n], flat[n:2 * n], meta, None, self.sample_rows, self.prompt_logprob_rows)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self._tensors.input_ids
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._tensors.positions
+
+    @property
+    def attn(self) -> AttentionMetadata:
+        return self._tensors.attn
+
+    @property
+    def logits_indices(self) -> None:
+        return None

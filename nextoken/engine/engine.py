@@ -24,7 +24,7 @@ from nextoken.config import EngineConfig
 from nextoken.engine.output import TextStream
 from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
-from nextoken.engine.sampler import Sampler, SamplingRow, take_rows
+from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
 from nextoken.errors import NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
@@ -161,7 +161,9 @@ class LLMEngine:
         batch, logits = self.runner.execute(scheduled)
         sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
         result = None
-        if sampling:
+        if batch.greedy_ids is not None:  # the step took every row's argmax (all greedy, nothing else asked)
+            result = SampleResult(batch.greedy_ids, [None] * len(batch.greedy_ids))
+        elif sampling:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
                                 scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)
                     for i, _ in sampling]

@@ -14,14 +14,14 @@ import torch
 
 from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
-from nextoken.engine.batch import ForwardBatch
+from nextoken.engine.batch import DecodeBatch, ForwardBatch
 from nextoken.engine.graphs import DecodeGraphs
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
-from nextoken.models.fused import FusedDecoder
+from nextoken.models.fused import FusedDecoder, NativeStep
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.hugepages import HugePageMove
@@ -116,6 +116,9 @@ class ModelRunner:
         # swap happens between steps (execute).
         self.huge_pages = HugePageMove(self.model) if self.device.type == "cpu" and self.model.fused else None
         self._logits: torch.Tensor | None = None  # execute()'s logits buffer
+        self._logits_views: dict[int, torch.Tensor] = {}  # its leading rows, by count (_logits_rows)
+        # Pure decode steps in one native call where the model allows (models/fused.py), rebuilt with the decoder.
+        self._step: tuple[FusedDecoder | None, NativeStep | None] = (None, None)
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
         self.kv_dtype = resolve_kv_dtype(config, self.device)
         self.kv_shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
@@ -157,10 +160,38 @@ class ModelRunner:
                                 f"({block_bytes} bytes); raise kv_cache_bytes")
         return num_blocks
 
-    @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch | DecodeBatch, torch.Tensor]:
         """Run one forward pass over the scheduled chunks -> (the batch, fp32 logits [num_logits, vocab])."""
         self.settle(wait=False)
+        batch = self._native_step(scheduled)
+        if batch is not None:
+            return batch, batch.logits
+        return self._forward(scheduled)
+
+    def _native_step(self, scheduled: list[ScheduledRequest]) -> DecodeBatch | None:
+        """A pure decode step in one native call (NativeStep), where it applies; None otherwise. Where every row is
+        greedy, without penalties or log-probabilities, the batch carries each row's argmax."""
+        fused = self.model.fused
+        if fused is None:
+            return None
+        if self._step[0] is not fused:
+            self._step = (fused, NativeStep.build(self.model))
+        step = self._step[1]
+        if step is None or len(scheduled) > self.config.max_num_seqs or not step.applies(len(scheduled),
+                                                                                          self.kv_pool.layers):
+            return None
+        batch = DecodeBatch.build(scheduled, self.block_size)
+        if batch is None:
+            return None
+        logits = self._logits_buffer(batch.rows)
+        greedy = all(p.is_greedy and not p.has_penalties and p.logprobs is None
+                     for p in (item.request.params for item in scheduled))
+        batch.greedy_ids = step.run(batch.ints, batch.rows, batch.table_stride, self.kv_pool.layers, logits, greedy)
+        batch.logits = self._logits_rows(batch.rows)
+        return batch
+
+    @torch.inference_mode()
+    def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
         batch = ForwardBatch.build(scheduled, self.block_size, self.device)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
@@ -185,11 +216,20 @@ class ModelRunner:
         fresh pages would fault in on every step), grown to the largest batch yet, up to max_num_seqs rows (past
         that, a prompt's logprob rows, a fresh tensor)."""
         rows = len(batch.logits_indices) if batch.logits_indices is not None else len(batch.input_ids)
-        if rows > self.config.max_num_seqs:
-            return None
+        return self._logits_buffer(rows) if rows <= self.config.max_num_seqs else None
+
+    def _logits_buffer(self, rows: int) -> torch.Tensor:
         if self._logits is None or self._logits.shape[0] < rows:
             self._logits = torch.empty(rows, self.model_config.vocab_size, device=self.device)
+            self._logits_views = {rows: self._logits}
         return self._logits
+
+    def _logits_rows(self, rows: int) -> torch.Tensor:
+        """The buffer's first `rows` rows, the same view from step to step (slicing is a torch op)."""
+        view = self._logits_views.get(rows)
+        if view is None:
+            view = self._logits_views[rows] = self._logits[:rows]
+        return view
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

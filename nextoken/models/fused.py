@@ -27,7 +27,7 @@ import torch
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
+from nextoken.ops.quant_linear import HEAD_GEMM_ROWS, HEAD_NATIVE_MAX_ROWS, NATIVE_MAX_ROWS, BlockEmbedding, BlockLinear
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
@@ -127,3 +127,103 @@ class FusedDecoder:
                                  self.layers, caches, rope_tables, self._scratch, self.gemm_rows,
                                  self.final_norm)
         return x
+
+
+class NativeStep:
+    """A whole decode step in one native call (nt_decode_step): the token rows from the file's Q8 table, every
+    decoder block through the final norm (as FusedDecoder), the LM head over the file's int8 blocks into the
+    engine's logits buffer, and, where every row is greedy, each row's argmax.
+
+    Why one call: a decode step's kernels stream every weight through the caches, and on this kind of CPU (a small
+    VM's share of its cores) what runs after them finds every cache cold. The step's Python and torch calls then
+    cost 5-30x their warm time: a torch op that takes 6 us warm took 150-180 us after 7 ms of other work, and
+    around the fused decoder a step spent 0.8-0.9 ms outside its kernels (Gemma 3 and SmolLM2 at batch 1, 8-11% of
+    the step). Here the engine builds one flat list of ints per step and makes one ctypes call; no torch op runs
+    between two steps unless a request samples or asks for log-probabilities.
+
+    It applies where the FusedDecoder does, with the token table held as Q8 blocks (BlockEmbedding) and the head
+    reading the file's own blocks (Int8GroupHead without a float weight: a requantized head rescores its candidates
+    in torch), for up to HEAD_NATIVE_MAX_ROWS rows. The numbers are those of the module path: the same kernels in
+    the same order (tests/unit/test_native.py holds the logits equal).
+    """
+
+    def __init__(self, lib: ctypes.CDLL, model: CausalLM, fused: FusedDecoder) -> None:
+        """Use `build`."""
+        self.lib, self.model, self.fused = lib, model, fused
+        embed, head = model.embed_tokens, model.quantized_head
+        assert isinstance(embed, BlockEmbedding) and head is not None
+        self._watched = (model, model.layers[0], model.norm)
+        self.plan = native.Step(
+            layers=ctypes.addressof(fused.layers), num_layers=len(fused.layers), gemm_rows=fused.gemm_rows,
+            final_norm=fused.final_norm[0].data_ptr(), final_eps=fused.final_norm[1],
+            embed_scale=model.config.embedding_scale, embed_codes=embed.codes.data_ptr(),
+            embed_scales=embed.scales.data_ptr(), vocab=embed.num_embeddings, head_kind=head.blocks.kind,
+            head_qs=head.blocks.qs.data_ptr(), head_d=head.blocks.d.data_ptr(), head_rows=head.vocab_size,
+            head_gemm_rows=HEAD_GEMM_ROWS, head_int8_activations=int(head.activations == "int8"),
+            threads=torch.get_num_threads())
+        # What the plan points into, kept referenced here: the table and head are the model's.
+        self._x = self._scratch = torch.empty(0)
+        self._argmax = (ctypes.c_int64 * 0)()
+        self._rope_rows = 0  # positions the rope tables in the plan cover
+        self._rope_tables: list[torch.Tensor] = []
+        self._ropes: ctypes.Array | None = None
+        self._caches: ctypes.Array | None = None
+        self._attends: tuple[list[KVCacheLayer], bool] | None = None  # (the caches checked, whether the kernel reads them)
+        self._logits: tuple[torch.Tensor, int, int] | None = None  # (the buffer, its address, its row stride)
+
+    @classmethod
+    def build(cls, model: CausalLM) -> NativeStep | None:
+        """None where the model's step cannot run in one call (see the class)."""
+        fused, embed, head = model.fused, model.embed_tokens, model.quantized_head
+        if (fused is None or not isinstance(embed, BlockEmbedding) or embed.lib is None or head is None
+                or head.weight is not None or head.lib is None):
+            return None
+        return cls(fused.lib, model, fused)
+
+    def applies(self, rows: int, kv_caches: list[KVCacheLayer]) -> bool:
+        """As FusedDecoder.applies, for `rows` sequences (hooks on the model: a tracer watching sees its modules)."""
+        if self._attends is None or self._attends[0] is not kv_caches:
+            k = kv_caches[0].k
+            self._attends = (kv_caches, native.attends(k.device, k.dtype, k.shape[-1]))
+        return (rows <= HEAD_NATIVE_MAX_ROWS and self._attends[1]
+                and not any(m._forward_hooks or m._forward_pre_hooks for m in self._watched))
+
+    def run(self, ints: list[int], rows: int, table_stride: int, kv_caches: list[KVCacheLayer],
+            logits: torch.Tensor, greedy: bool) -> list[int] | None:
+        """The step over `rows` sequences whose token ids, positions, cache slots, context lengths ([rows] each) and
+        block tables ([rows, table_stride], padded) are `ints` in that order (the engine's DecodeBatch), their caches
+        in `kv_caches`; the logits into `logits` ([at least rows, vocab] fp32, contiguous rows). Returns each row's
+        argmax with `greedy`, else None."""
+        plan = self.plan
+        if rows > plan.max_rows:
+            self._grow(rows)
+        top = max(ints[3 * rows:4 * rows])  # the longest context: the rope tables cover the positions below it
+        if top > self._rope_rows:
+            tables = [t for rope in self.fused.ropes for t in rope.tables(top, torch.device("cpu"))]
+            self._ropes = (ctypes.c_void_p * len(tables))(*(t.data_ptr() for t in tables))
+            self._rope_tables = tables
+            self._rope_rows = min(t.shape[0] for t in tables)
+            plan.rope_tables = ctypes.addressof(self._ropes)
+        caches = self.fused._cache_structs(kv_caches)
+        if caches is not self._caches:
+            self._caches = caches
+            plan.caches = ctypes.addressof(caches)
+        if self._logits is None or self._logits[0] is not logits:
+            self._logits = (logits, logits.data_ptr(), logits.stride(0))
+        _, address, stride = self._logits
+        inputs = (ctypes.c_int64 * len(ints))(*ints)
+        argmax = self._argmax if greedy else None
+        if torch.autograd.profiler._is_profiler_enabled:  # named in profiles (benchmarks/)
+            with torch.profiler.record_function("nextoken::decode_step"):
+                native.decode_step(self.lib, plan, inputs, rows, table_stride, address, stride, argmax)
+        else:
+            native.decode_step(self.lib, plan, inputs, rows, table_stride, address, stride, argmax)
+        return argmax[:rows] if argmax is not None else None
+
+    def _grow(self, rows: int) -> None:
+        """Buffers for `rows` sequences: the residual stream, the decoder's scratch, the argmax rows."""
+        plan = self.plan
+        self._x = torch.empty(rows, self.model.config.hidden_size)
+        self._scratch = torch.empty(native.decode_scratch(self.lib, self.fused.layers, rows))
+        self._argmax = (ctypes.c_int64 * rows)()
+        plan.x, plan.scratch, plan.max_rows = self._x.data_ptr(), self._scratch.data_ptr(), rows

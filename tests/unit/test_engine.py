@@ -226,12 +226,63 @@ def test_int8_head_keeps_greedy_tokens_and_top_logprobs(tiny: Path) -> None:
             assert abs(chosen_a - chosen_b) < 1e-3  # only the normalizer sees the cheap pass's tail
 
 
-@pytest.mark.parametrize("head", ["int8", "fp32"])
-def test_steps_write_their_logits_into_one_kept_buffer(tiny_llama: Path, head: str) -> None:
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def tiny_q8(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model whose token table (the tied head) is Q8_0 blocks, as the real files': with block projections its
+    decode steps run as one native call (NativeStep)."""
+    return write_tiny_model(tmp_path_factory.mktemp("q8") / f"tiny-{request.param}-q8.gguf", request.param,
+                            table=GGMLQuantizationType.Q8_0)
+
+
+def test_native_decode_steps_give_the_module_paths_results(tiny_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a Q8_0 table and block projections every pure decode step is one native call (NativeStep): greedy rows
+    take their argmax there and skip the sampler; batches from one row to past HEAD_GEMM_ROWS (whose head takes the
+    GEMM), log-probabilities, seeded sampling and penalties give exactly what the module path gives (the same
+    kernels in the same order). A hook on the model (a tracer) sends steps back to the modules."""
+    from nextoken.models.fused import NativeStep
+
+    runs: list[int] = []
+    real_run = NativeStep.run
+    monkeypatch.setattr(NativeStep, "run", lambda self, ints, rows, *a: runs.append(rows) or real_run(self, ints, rows, *a))
+    llm = _llm(tiny_q8, weights="int4")
+    engine = llm.engine
+    sampled: list[int] = []
+    sampler = engine.sampler
+    engine.sampler = lambda logits, rows: sampled.append(len(rows)) or sampler(logits, rows)  # type: ignore[assignment]
+    cases = [(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+             (PROMPTS * 3, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)),
+             (PROMPTS[:3], SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)),
+             (PROMPTS[:3], SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)),
+             (PROMPTS[:2], SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=8, ignore_eos=True))]
+
+    def results() -> list[list[tuple[list[int], object]]]:
+        return [[(o.token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params, use_tqdm=False)]
+                for prompts, params in cases]
+
+    native_results = results()
+    assert max(runs) == len(PROMPTS) * 3 and min(runs) == 1  # from 21 rows (> HEAD_GEMM_ROWS) down to one
+    engine.runner._step = (engine.runner.model.fused, None)  # the module path from here on
+    count = len(runs)
+    assert results() == native_results and len(runs) == count
+    engine.runner._step = (None, None)
+    handle = engine.runner.model.register_forward_hook(lambda *args: None)
+    assert results() == native_results and len(runs) == count
+    handle.remove()
+    before = len(sampled)
+    llm.generate(PROMPTS[:1], cases[0][1], use_tqdm=False)
+    assert len(runs) == count + 5 and len(sampled) == before + 1  # only the prompt's step went to the sampler
+
+
+@pytest.mark.parametrize("head", ["int8", "fp32", "native step"])
+def test_steps_write_their_logits_into_one_kept_buffer(tiny_llama: Path, tiny_q8: Path, head: str) -> None:
     """A step's logits go into the runner's buffer, kept between steps (fresh pages would fault in every step) and
     grown with the batch; what a step samples is what a fresh tensor would hold; teacher-forced scores and batches
-    past max_num_seqs rows get tensors of their own."""
-    llm = _llm(tiny_llama, lm_head=head, max_num_seqs=4)
+    past max_num_seqs rows get tensors of their own. "native step": the decode steps run as one native call, whose
+    batch builds the tensors the module path takes only when asked, and the module path gives the same logits."""
+    if head == "native step":
+        llm = _llm(tiny_q8, weights="int4", max_num_seqs=4)
+    else:
+        llm = _llm(tiny_llama, lm_head=head, max_num_seqs=4)
     runner = llm.engine.runner
     kept: list[torch.Tensor] = []
     execute = runner.execute
@@ -249,7 +300,9 @@ def test_steps_write_their_logits_into_one_kept_buffer(tiny_llama: Path, head: s
     outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
     assert len(kept) == 6 and runner._logits is not None and runner._logits.shape[0] == 4
     assert all(t.data_ptr() == runner._logits.data_ptr() for t in kept[-4:])  # the same storage, step after step
-    alone = _llm(tiny_llama, lm_head=head).generate(PROMPTS[:4], params, use_tqdm=False)
+    assert (runner._step[1] is not None) == (head == "native step")
+    alone = (_llm(tiny_q8, weights="int4") if head == "native step" else
+             _llm(tiny_llama, lm_head=head)).generate(PROMPTS[:4], params, use_tqdm=False)
     assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
     ids = outs[0].prompt_token_ids + outs[0].token_ids
     scores = runner.score(ids)

@@ -487,6 +487,29 @@ def test_fused_decode_follows_a_new_pool(tiny_llama: Path) -> None:
         assert (struct.k, struct.v) == (layer.k.data_ptr(), layer.v.data_ptr())
 
 
+@pytest.mark.parametrize("build", ["host", "avx2", "portable"])
+def test_argmax_rows_is_numpys(build: str, lib: ctypes.CDLL, avx2: ctypes.CDLL, portable: ctypes.CDLL) -> None:
+    """A greedy native step's pick (nt_argmax_rows) is the sampler's: the first largest entry, a NaN counting as
+    largest (its first one), over rows whose length is not a multiple of the vector width too."""
+    built = {"host": lib, "avx2": avx2, "portable": portable}[build]
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 5, 16, 17, 33, 1000, 4099):
+        x = torch.randn(9, n, generator=gen).round(decimals=1)  # rounded: ties for the largest value
+        x[1] = float("-inf")
+        x[2, n // 2:] = float("inf")
+        x[3, -1] = float("nan")
+        x[4, n // 3] = x[4, -1] = float("nan")
+        x[5] = 0.0
+        x[6, 0] = float("nan")
+        x[7] = x[7].clamp(max=0.3)  # many ties at the top
+        got = native.argmax_rows(built, x)
+        assert got == x.numpy().argmax(-1).tolist(), n
+        wide = torch.zeros(9, n + 7)  # rows with a stride past their length
+        wide[:, :n] = x
+        wide[:, n:] = float("nan")
+        assert native.argmax_rows(built, wide[:, :n]) == got
+
+
 def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctypes.CDLL,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The kernels decide what a projection keeps: with AVX-512 VNNI its blocks alone (4-bit files load without a

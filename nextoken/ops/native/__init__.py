@@ -5,7 +5,8 @@ int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth o
 decode step needs in single calls: block-quantized matrix products (Q4 and int8 weights, activations quantized to
 int16 blocks on the fly), an fp32 GEMM over weights packed in panels (for batches bound by compute, where it beats
 torch's on skinny shapes), RMSNorm fused with the residual add, paged decode attention, gated activations, and every
-decoder block of a decode step at once (`decode_layers`, used by models/fused.py).
+decoder block of a decode step at once (`decode_layers`, used by models/fused.py), or the whole step with the token
+table and the LM head (`decode_step`).
 
 The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
 the cache directory (config.cache_dir(): $NEXTOKEN_CACHE_DIR, default ~/.cache/nextoken), keyed by the source and
@@ -390,6 +391,47 @@ class Cache(ctypes.Structure):
 _SIGNATURES["nt_decode_scratch"] = (_i64, [_ptr, _i64, _i64])
 _SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
                                           _i64, _ptr, _f32, _i32])
+
+
+class Step(ctypes.Structure):
+    """What a whole decode step reads besides its tokens (nt_step): the decoder's structs, buffers kept between
+    steps, the token table's Q8 blocks and the LM head's int8 blocks."""
+
+    _fields_ = [("layers", _ptr), ("caches", _ptr), ("num_layers", _i64), ("rope_tables", _ptr), ("scratch", _ptr),
+                ("x", _ptr), ("max_rows", _i64), ("gemm_rows", _i64), ("final_norm", _ptr), ("final_eps", _f32),
+                ("embed_scale", _f32), ("embed_codes", _ptr), ("embed_scales", _ptr), ("vocab", _i64),
+                ("head_kind", _i64), ("head_qs", _ptr), ("head_d", _ptr), ("head_rows", _i64),
+                ("head_gemm_rows", _i64), ("head_int8_activations", _i64), ("threads", _i64)]
+
+
+_SIGNATURES["nt_decode_step"] = (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr])
+
+
+def decode_step(lib: ctypes.CDLL, plan: Step, ints: ctypes.Array, rows: int, table_stride: int, logits: int,
+                ldl: int, argmax: ctypes.Array | None) -> None:
+    """A whole decode step of `rows` sequences (nt_decode_step): token ids, positions, cache slots and context
+    lengths [rows] each then the block tables [rows, table_stride] in `ints` (int64); the logits into the fp32 rows
+    at address `logits` (row stride ldl), and each row's argmax into `argmax` where given. Raw addresses and ctypes
+    arrays only: no torch call, whose cost after a step's kernels have flushed the caches is the point of it."""
+    status = lib.nt_decode_step(ctypes.addressof(plan), ctypes.addressof(ints), rows, table_stride, logits, ldl,
+                                None if argmax is None else ctypes.addressof(argmax))
+    if status == -2:
+        raise IndexError(f"token id out of range for a table of {plan.vocab} rows")
+    if status:
+        raise RuntimeError(f"decode_step: {rows} rows past the step's buffers, or out of memory")
+
+
+_SIGNATURES["nt_argmax_rows"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i32])
+
+
+def argmax_rows(lib: ctypes.CDLL, x: torch.Tensor) -> list[int]:
+    """Each row's first largest entry of fp32 x [M, N] (a NaN counts as largest), as torch's argmax: what a greedy
+    decode step picks (nt_decode_step)."""
+    _check(x)
+    out = (ctypes.c_int64 * x.shape[0])()
+    lib.nt_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), ctypes.addressof(out),
+                       torch.get_num_threads())
+    return list(out)
 
 
 def cache_struct(k: torch.Tensor, v: torch.Tensor, k_scales: torch.Tensor | None,

@@ -2183,6 +2183,106 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
     return status ? -1 : 0;
 }
 
+/* ------------------------------------------------------- a whole decode step */
+
+/* The index of v [n]'s first largest value, a NaN counting as largest (its first one), as torch's and numpy's
+ * argmax: the largest value (or that there is a NaN) in one pass, then the first place that holds it. */
+static int64_t argmax_row(const float *v, int64_t n) {
+    int nan = 0;
+    float best = -INFINITY;
+    int64_t i = 0;
+#ifdef NT_VNNI512
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+        top = _mm512_max_ps(top, x);
+    }
+    nan = unordered != 0;
+    best = _mm512_reduce_max_ps(top);
+#endif
+    for (; i < n; i++) {
+        if (v[i] != v[i]) nan = 1;
+        else if (v[i] > best) best = v[i];
+    }
+    i = 0;
+#ifdef NT_VNNI512
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(v + i);
+        const __mmask16 hit = nan ? _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q)
+                                  : _mm512_cmp_ps_mask(x, _mm512_set1_ps(best), _CMP_EQ_OQ);
+        if (hit) return i + __builtin_ctz(hit);
+    }
+#endif
+    for (; i < n; i++)
+        if (nan ? v[i] != v[i] : v[i] == best) return i;
+    return 0;
+}
+
+/* out[r] = the index of row r's first largest value (argmax_row), for M rows of N (row stride ld). */
+void nt_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ld, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
+    for (int64_t r = 0; r < M; r++) out[r] = argmax_row(x + r * ld, N);
+}
+
+/* What a decode step reads besides its tokens: the decoder (nt_decode_layers' arguments), buffers kept between
+ * steps, the token table (Q8 blocks, times embed_scale) and the LM head (int8 blocks of `head_kind`, 8 or 6). */
+typedef struct {
+    const nt_layer *layers;
+    const nt_cache *caches;
+    int64_t num_layers;
+    const float *const *rope_tables;
+    float *scratch;            /* nt_decode_scratch() floats for max_rows */
+    float *x;                  /* [max_rows, hidden]: the residual stream */
+    int64_t max_rows;
+    int64_t gemm_rows;
+    const float *final_norm;
+    float final_eps;
+    float embed_scale;
+    const int8_t *embed_codes; /* [vocab, hidden] */
+    const float *embed_scales; /* [vocab, hidden / 32] */
+    int64_t vocab;
+    int64_t head_kind;
+    const int8_t *head_qs; /* [head_rows, hidden] */
+    const void *head_d;
+    int64_t head_rows;
+    int64_t head_gemm_rows; /* rows from which the head takes the GEMM over its blocks */
+    int64_t head_int8_activations;
+    int64_t threads;
+} nt_step;
+
+/* One decode step of M sequences (one new token each) in one call: the token rows from the table, every decoder
+ * block with the final norm (nt_decode_layers), and the LM head into logits [M, head_rows] (row stride ldl); with
+ * `argmax`, each row's argmax_row there. ints: token ids, positions, cache slots and context lengths [M] each, then
+ * the block tables [M, table_stride]. Returns 0; -1 when M exceeds the buffers or a kernel fails; -2 for a token id
+ * outside the table. */
+int nt_decode_step(const nt_step *s, const int64_t *ints, int64_t M, int64_t table_stride, float *logits,
+                   int64_t ldl, int64_t *argmax) {
+    if (M < 1 || M > s->max_rows || s->num_layers < 1) return -1;
+    const int64_t hidden = s->layers[0].hidden;
+    const int64_t *ids = ints, *positions = ints + M, *slots = ints + 2 * M, *seq_lens = ints + 3 * M;
+    if (nt_embed_q8(s->embed_codes, s->embed_scales, s->vocab, hidden, ids, M, s->x)) return -2;
+    if (s->embed_scale != 1.0f)
+        for (int64_t i = 0; i < M * hidden; i++) s->x[i] *= s->embed_scale;
+    const int threads = (int)s->threads;
+    if (nt_decode_layers(s->x, M, positions, slots, seq_lens, ints + 4 * M, table_stride, s->layers, s->caches,
+                         s->num_layers, s->rope_tables, s->scratch, s->gemm_rows, s->final_norm, s->final_eps,
+                         threads))
+        return -1;
+    const int kind = (int)s->head_kind;
+    int status;
+    if (M >= s->head_gemm_rows)
+        status = (s->head_int8_activations ? nt_block_gemm8 : nt_block_gemm)(
+            kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits, ldl, threads);
+    else
+        status = nt_block_matmul(kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits,
+                                 ldl, threads);
+    if (status) return -1;
+    if (argmax) nt_argmax_rows(logits, M, s->head_rows, ldl, argmax, threads);
+    return 0;
+}
+
 /* ------------------------------------------------------ prefill attention */
 
 #ifdef NT_VNNI512
