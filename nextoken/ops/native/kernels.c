@@ -241,7 +241,7 @@ static inline __m512 exp512_ps(__m512 x) {
 
 /* ------------------------------------------------------------ block scales */
 
-#define TILE 4          /* outputs of one tile: activation rows times weight rows */
+#define TILE 4          /* activation rows of one tile */
 #define MAX_GROUPS 1024 /* blocks per row: input sizes up to 32768 */
 
 #ifdef NT_AVX2
@@ -298,8 +298,8 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
  * Activations are quantized to int16 blocks of 32; weights are widened to int16, so each block is two 16-bit
  * multiply-add instructions per row and the result is within 2e-5 of an fp32 matmul over the dequantized weight.
  * Per weight row, the products of weight and activation block scales are formed first (vectorized), so the inner
- * loop is integer products and one multiply-add per block. Inlined for each constant shape (T activation rows by R
- * weight rows), so that the accumulators stay in registers. */
+ * loop is integer products and one multiply-add per block. Inlined for each constant number of activation rows T, so
+ * that the accumulators stay in registers. */
 #ifdef NT_AVX2
 /* Block g of Q4 weight row n, a last block without a pair (see pair_into for the others), as two int16 vectors in
  * the activations' order (code_at): A holds the even elements of each half, B the odd ones; lane 0 is the first
@@ -312,11 +312,6 @@ static inline __attribute__((always_inline)) void unpack_q4(const void *qs, int6
     const __m256i nibble = _mm256_set1_epi32(0x000F000F);
     *a = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), nibble);
     *b = _mm256_and_si256(_mm256_srlv_epi32(bytes, _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12)), nibble);
-}
-
-static inline __m128 hsum4_ps(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 #endif
 
@@ -338,171 +333,130 @@ static inline float row_scales(int kind, const quantized_rows *x, int64_t r, int
 }
 
 #ifdef NT_AVX2
-/* row_scales for four consecutive Q4 rows n..n+3 and one activation row (groups >= 8): the four offsets summed
- * together. */
-static inline void q4_scales4(const quantized_rows *x, int64_t r, int64_t groups, const uint16_t *wd,
-                              const uint16_t *wm, int64_t n, float scale[][2 * MAX_GROUPS], float *offset) {
-    __m256 acc[4];
-    for (int j = 0; j < 4; j++) {
-        half_scale8(wd + (n + j) * groups, x->d + r * groups, NULL, groups, scale[j]);
-        acc[j] = half_scale8(wm + (n + j) * groups, NULL, x->s + r * groups, groups, NULL);
-    }
-    _mm_storeu_ps(offset, hsum4_ps(acc[0], acc[1], acc[2], acc[3]));
-}
-
-/* Block g of weight rows n..n+R-1 against activation rows r0..r0+T-1, into accumulator `which` of each output. */
+/* Block g of weight row n against activation rows r0..r0+T-1, into accumulator `which` of each output. */
 static inline __attribute__((always_inline)) void block_into(int kind, int halves, const quantized_rows *x,
-                                                             int64_t r0, const int T, const int R, int64_t K,
-                                                             const void *qs, int64_t n, int64_t g,
-                                                             float scale[][2 * MAX_GROUPS], __m256 acc[][2],
-                                                             const int which) {
+                                                             int64_t r0, const int T, int64_t K, const void *qs,
+                                                             int64_t n, int64_t g, float scale[][2 * MAX_GROUPS],
+                                                             __m256 acc[][2], const int which) {
     __m256i xa[TILE], xb[TILE];
     for (int i = 0; i < T; i++) {
         const int16_t *a = x->q + (r0 + i) * K + g * QK;
         xa[i] = _mm256_loadu_si256((const __m256i *)a);
         xb[i] = _mm256_loadu_si256((const __m256i *)(a + 16));
     }
-    for (int j = 0; j < R; j++) {
-        if (kind == 4) {
-            __m256i wa, wb;
-            unpack_q4(qs, n + j, K, g, &wa, &wb);
-            for (int i = 0; i < T; i++) {
-                const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
-                                                                     _mm256_madd_epi16(wb, xb[i])));
-                acc[i * R + j][which] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scale[i * R + j][g]),
-                                                        acc[i * R + j][which]);
-            }
-        } else { /* int8 codes, widened in their natural order: elements 0-15, then 16-31 */
-            const int8_t *c = (const int8_t *)qs + (n + j) * K + g * QK;
-            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
-            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
-            for (int i = 0; i < T; i++) {
-                const int k = i * R + j;
-                const __m256i p0 = _mm256_madd_epi16(w0, xa[i]), p1 = _mm256_madd_epi16(w1, xb[i]);
-                if (halves == 2) {
-                    acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[k][2 * g]),
-                                                    acc[k][which]);
-                    acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                                                    _mm256_broadcast_ss(&scale[k][2 * g + 1]), acc[k][which]);
-                } else {
-                    acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
-                                                    _mm256_broadcast_ss(&scale[k][g]), acc[k][which]);
-                }
+    if (kind == 4) {
+        __m256i wa, wb;
+        unpack_q4(qs, n, K, g, &wa, &wb);
+        for (int i = 0; i < T; i++) {
+            const __m256 p = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(wa, xa[i]),
+                                                                 _mm256_madd_epi16(wb, xb[i])));
+            acc[i][which] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&scale[i][g]), acc[i][which]);
+        }
+    } else { /* int8 codes, widened in their natural order: elements 0-15, then 16-31 */
+        const int8_t *c = (const int8_t *)qs + n * K + g * QK;
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
+        for (int i = 0; i < T; i++) {
+            const __m256i p0 = _mm256_madd_epi16(w0, xa[i]), p1 = _mm256_madd_epi16(w1, xb[i]);
+            if (halves == 2) {
+                acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_broadcast_ss(&scale[i][2 * g]),
+                                                acc[i][which]);
+                acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_broadcast_ss(&scale[i][2 * g + 1]),
+                                                acc[i][which]);
+            } else {
+                acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)),
+                                                _mm256_broadcast_ss(&scale[i][g]), acc[i][which]);
             }
         }
     }
 }
 
-/* Blocks g and g + 1 of Q4 weight rows n..n+R-1 against activation rows r0..r0+T-1 (codes in q4_position order),
+/* Blocks g and g + 1 of Q4 weight row n against activation rows r0..r0+T-1 (codes in q4_position order),
  * into accumulator `which`: the pair's 32 bytes of nibbles are four int16 vectors by three shifts and three masks
  * (per 16-bit word: elements 2w, 2w + 16, 2w + 1, 2w + 17, the first block in words 0..7, the second in 8..15). The
  * four products are summed as integers; lanes 0..3 then belong to block g and 4..7 to g + 1, so one multiply-add
  * by [scale g x 4 | scale g + 1 x 4] finishes the pair. */
 static inline __attribute__((always_inline)) void pair_into(const quantized_rows *x, int64_t r0, const int T,
-                                                            const int R, int64_t K, const void *qs, int64_t n,
-                                                            int64_t g, float scale[][2 * MAX_GROUPS],
-                                                            __m256 acc[][2], const int which) {
+                                                            int64_t K, const void *qs, int64_t n, int64_t g,
+                                                            float scale[][2 * MAX_GROUPS], __m256 acc[][2],
+                                                            const int which) {
     const __m256i nibble = _mm256_set1_epi16(0x000F);
     const __m256i spread = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    for (int j = 0; j < R; j++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)qs + (n + j) * (K / 2) + g * 16));
-        const __m256i w0 = _mm256_and_si256(v, nibble), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
-                      w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), w3 = _mm256_srli_epi16(v, 12);
-        for (int i = 0; i < T; i++) {
-            const __m256i *a = (const __m256i *)(x->q + (r0 + i) * K + g * QK);
-            const __m256i sum = _mm256_add_epi32(
-                _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(a)),
-                                 _mm256_madd_epi16(w1, _mm256_loadu_si256(a + 1))),
-                _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(a + 2)),
-                                 _mm256_madd_epi16(w3, _mm256_loadu_si256(a + 3))));
-            const int k = i * R + j;
-            const __m256 sc = _mm256_permutevar8x32_ps(
-                _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)&scale[k][g]))), spread);
-            acc[k][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sc, acc[k][which]);
-        }
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint8_t *)qs + n * (K / 2) + g * 16));
+    const __m256i w0 = _mm256_and_si256(v, nibble), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble),
+                  w2 = _mm256_and_si256(_mm256_srli_epi16(v, 8), nibble), w3 = _mm256_srli_epi16(v, 12);
+    for (int i = 0; i < T; i++) {
+        const __m256i *a = (const __m256i *)(x->q + (r0 + i) * K + g * QK);
+        const __m256i sum = _mm256_add_epi32(
+            _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(a)),
+                             _mm256_madd_epi16(w1, _mm256_loadu_si256(a + 1))),
+            _mm256_add_epi32(_mm256_madd_epi16(w2, _mm256_loadu_si256(a + 2)),
+                             _mm256_madd_epi16(w3, _mm256_loadu_si256(a + 3))));
+        const __m256 sc = _mm256_permutevar8x32_ps(
+            _mm256_castps128_ps256(_mm_castpd_ps(_mm_load_sd((const double *)&scale[i][g]))), spread);
+        acc[i][which] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), sc, acc[i][which]);
     }
 }
 #endif
 
-/* out[r0 + i, n + j] for i < T, j < R. One activation row meets four Q4 weight rows at a time (R = 4): its codes are
- * loaded once per block for the four, whose four sums are independent chains of multiply-adds. Several activation
- * rows (T > 1) instead share one unpacked weight block (R = 1), with two chains per row (even and odd blocks). */
+/* out[r0 + i, n] for i < T and every weight row n in [n0, n1), one weight row at a time, in the order the rows lie
+ * in memory; several activation rows (T > 1) share each unpacked weight block, with two chains per row (even and
+ * odd blocks) where there are few. Four weight rows at a time for one activation row (its codes loaded once per
+ * block for the four's chains) was as fast in cache, but with the weights streaming a whole SmolLM2 decode step (all
+ * Q4_1) took 1.23x as long, on this route (built without AVX-512) and on the VNNI one alike (alternating in one
+ * process, medians of 10 rounds): reading four rows side by side defeats the hardware's stream prefetch. */
 static inline __attribute__((always_inline)) void tile(int kind, const quantized_rows *x, int64_t r0, const int T,
-                                                       const int R, int64_t K, const void *qs, const void *wd,
-                                                       const uint16_t *wm, int64_t n0, int64_t n1, float *out,
-                                                       int64_t ldo) {
+                                                       int64_t K, const void *qs, const void *wd, const uint16_t *wm,
+                                                       int64_t n0, int64_t n1, float *out, int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
     float scale[TILE][2 * MAX_GROUPS], offset[TILE];
-    for (int64_t n = n0; n + R <= n1; n += R) {
+    for (int64_t n = n0; n < n1; n++) {
+        for (int i = 0; i < T; i++) offset[i] = row_scales(kind, x, r0 + i, groups, wd, wm, n, scale[i]);
 #ifdef NT_AVX2
-        if (kind == 4 && T == 1 && R == 4 && groups >= 8)
-            q4_scales4(x, r0, groups, (const uint16_t *)wd, wm, n, scale, offset);
-        else
-#endif
-            for (int i = 0; i < T; i++)
-                for (int j = 0; j < R; j++)
-                    offset[i * R + j] = row_scales(kind, x, r0 + i, groups, wd, wm, n + j, scale[i * R + j]);
-#ifdef NT_AVX2
-        /* The weight rows after the next R, into cache while these are computed: the hardware prefetcher alone left a
-         * 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows past
-         * the end need no check. */
+        /* The weight row after the next, into cache while this one is computed: the hardware prefetcher alone left
+         * a 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows
+         * past the end need no check. */
         const int64_t row_bytes = kind == 4 ? K / 2 : K;
-        for (int64_t b = 0; b < R * row_bytes; b += 64)
-            _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            _mm_prefetch((const char *)qs + (n + 2) * row_bytes + b, _MM_HINT_T0);
         __m256 acc[TILE][2];
-        for (int k = 0; k < T * R; k++) acc[k][0] = acc[k][1] = _mm256_setzero_ps();
+        for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         int64_t g = 0;
         if (kind == 4) { /* blocks in pairs; two chains per output where there are few outputs */
-            if (T * R < 4)
+            if (T < 4)
                 for (; g + 4 <= groups; g += 4) {
-                    pair_into(x, r0, T, R, K, qs, n, g, scale, acc, 0);
-                    pair_into(x, r0, T, R, K, qs, n, g + 2, scale, acc, 1);
+                    pair_into(x, r0, T, K, qs, n, g, scale, acc, 0);
+                    pair_into(x, r0, T, K, qs, n, g + 2, scale, acc, 1);
                 }
-            for (; g + 2 <= groups; g += 2) pair_into(x, r0, T, R, K, qs, n, g, scale, acc, 0);
-        } else if (T * R < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
+            for (; g + 2 <= groups; g += 2) pair_into(x, r0, T, K, qs, n, g, scale, acc, 0);
+        } else if (T < 4) { /* two chains per output, even and odd blocks: enough multiply-adds in flight */
             for (; g + 2 <= groups; g += 2) {
-                block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
-                block_into(kind, halves, x, r0, T, R, K, qs, n, g + 1, scale, acc, 1);
+                block_into(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
+                block_into(kind, halves, x, r0, T, K, qs, n, g + 1, scale, acc, 1);
             }
         }
-        for (; g < groups; g++) block_into(kind, halves, x, r0, T, R, K, qs, n, g, scale, acc, 0);
-        if (R == 4) {
-            for (int i = 0; i < T; i++) {
-                const __m128 sums = hsum4_ps(_mm256_add_ps(acc[i * R][0], acc[i * R][1]),
-                                             _mm256_add_ps(acc[i * R + 1][0], acc[i * R + 1][1]),
-                                             _mm256_add_ps(acc[i * R + 2][0], acc[i * R + 2][1]),
-                                             _mm256_add_ps(acc[i * R + 3][0], acc[i * R + 3][1]));
-                _mm_storeu_ps(out + (r0 + i) * ldo + n, _mm_add_ps(sums, _mm_loadu_ps(offset + i * R)));
-            }
-        } else {
-            for (int i = 0; i < T; i++)
-                for (int j = 0; j < R; j++)
-                    out[(r0 + i) * ldo + n + j] = hsum_ps(_mm256_add_ps(acc[i * R + j][0], acc[i * R + j][1])) +
-                                                  offset[i * R + j];
-        }
+        for (; g < groups; g++) block_into(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
+        for (int i = 0; i < T; i++) out[(r0 + i) * ldo + n] = hsum_ps(_mm256_add_ps(acc[i][0], acc[i][1])) + offset[i];
 #else
         for (int i = 0; i < T; i++) {
             const int16_t *a = x->q + (r0 + i) * K;
-            for (int j = 0; j < R; j++) {
-                const int k = i * R + j;
-                float acc = 0.0f;
-                for (int64_t g = 0; g < groups; g++) {
-                    int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
-                    for (int e = 0; e < QK; e++) {
-                        int w;
-                        if (kind == 4) {
-                            const uint8_t byte = ((const uint8_t *)qs)[(n + j) * (K / 2) + g * 16 + e % 16];
-                            w = e < 16 ? byte & 0x0F : byte >> 4;
-                        } else {
-                            w = ((const int8_t *)qs)[(n + j) * K + g * QK + e];
-                        }
-                        sum[e / 16] += w * a[kind == 4 ? q4_position(g, e, groups) : g * QK + e];
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
+                for (int e = 0; e < QK; e++) {
+                    int w;
+                    if (kind == 4) {
+                        const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + g * 16 + e % 16];
+                        w = e < 16 ? byte & 0x0F : byte >> 4;
+                    } else {
+                        w = ((const int8_t *)qs)[n * K + g * QK + e];
                     }
-                    if (halves == 2) acc += (float)sum[0] * scale[k][2 * g] + (float)sum[1] * scale[k][2 * g + 1];
-                    else acc += (float)(sum[0] + sum[1]) * scale[k][g];
+                    sum[e / 16] += w * a[kind == 4 ? q4_position(g, e, groups) : g * QK + e];
                 }
-                out[(r0 + i) * ldo + n + j] = acc + offset[k];
+                if (halves == 2) acc += (float)sum[0] * scale[i][2 * g] + (float)sum[1] * scale[i][2 * g + 1];
+                else acc += (float)(sum[0] + sum[1]) * scale[i][g];
             }
+            out[(r0 + i) * ldo + n] = acc + offset[i];
         }
 #endif
     }
@@ -575,41 +529,27 @@ static inline __m256 fold_ps(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* out[n] for n in [n0, n1), R (4 or 1) weight rows at a time, from one activation row in quads (x->d, x->s per
+/* out[n] for n in [n0, n1), one weight row at a time (see tile), from one activation row in quads (x->d, x->s per
  * block). A last partial quad of a row is read through a byte mask: nothing past the weight is read, the missing
  * blocks' nibbles are zeros (so are their products, whatever their activation bytes) and their scales are zeros. */
-static inline __attribute__((always_inline)) void q4_vnni_rows(const int R, const uint8_t *xq,
-                                                               const quantized_rows *x, int64_t K, const void *qs,
-                                                               const uint16_t *wd, const uint16_t *wm, int64_t n0,
-                                                               int64_t n1, float *out) {
+static void q4_vnni_rows(const uint8_t *xq, const quantized_rows *x, int64_t K, const void *qs, const uint16_t *wd,
+                         const uint16_t *wm, int64_t n0, int64_t n1, float *out) {
     const int64_t groups = K / QK, whole = groups / 4, row_bytes = K / 2;
     const __mmask64 tail = ((__mmask64)1 << (16 * (groups % 4))) - 1;
-    float scale[TILE][2 * MAX_GROUPS], offset[TILE];
-    for (int j = 0; j < R; j++) memset(scale[j] + groups, 0, 4 * sizeof(float)); /* the last quad's missing blocks */
-    for (int64_t n = n0; n + R <= n1; n += R) {
-        if (R == 4 && groups >= 8) q4_scales4(x, 0, groups, wd, wm, n, scale, offset);
-        else
-            for (int j = 0; j < R; j++) offset[j] = row_scales(4, x, 0, groups, wd, wm, n + j, scale[j]);
-        for (int64_t b = 0; b < R * row_bytes; b += 64) /* as tile() does */
-            _mm_prefetch((const char *)qs + (n + 2 * R) * row_bytes + b, _MM_HINT_T0);
-        __m512 acc[4];
-        for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
+    float scale[2 * MAX_GROUPS];
+    memset(scale + groups, 0, 4 * sizeof(float)); /* the last quad's missing blocks */
+    for (int64_t n = n0; n < n1; n++) {
+        const float offset = row_scales(4, x, 0, groups, wd, wm, n, scale);
+        for (int64_t b = 0; b < row_bytes; b += 64) /* as tile() does */
+            _mm_prefetch((const char *)qs + (n + 2) * row_bytes + b, _MM_HINT_T0);
+        const uint8_t *w = (const uint8_t *)qs + n * row_bytes;
+        __m512 acc = _mm512_setzero_ps();
         for (int64_t g = 0; g < whole; g++)
-            for (int j = 0; j < R; j++)
-                acc[j] = quad_into(_mm512_loadu_si512((const uint8_t *)qs + (n + j) * row_bytes + g * 64),
-                                   xq + g * QUAD_BYTES, scale[j] + 4 * g, acc[j]);
+            acc = quad_into(_mm512_loadu_si512(w + g * 64), xq + g * QUAD_BYTES, scale + 4 * g, acc);
         if (groups % 4)
-            for (int j = 0; j < R; j++) {
-                const uint8_t *last = (const uint8_t *)qs + (n + j) * row_bytes + whole * 64;
-                acc[j] = quad_into(_mm512_maskz_loadu_epi8(tail, last), xq + whole * QUAD_BYTES, scale[j] + 4 * whole,
-                                   acc[j]);
-            }
-        if (R == 4) {
-            const __m128 sums = hsum4_ps(fold_ps(acc[0]), fold_ps(acc[1]), fold_ps(acc[2]), fold_ps(acc[3]));
-            _mm_storeu_ps(out + n, _mm_add_ps(sums, _mm_loadu_ps(offset)));
-        } else {
-            out[n] = hsum_ps(fold_ps(acc[0])) + offset[0];
-        }
+            acc = quad_into(_mm512_maskz_loadu_epi8(tail, w + whole * 64), xq + whole * QUAD_BYTES, scale + 4 * whole,
+                            acc);
+        out[n] = hsum_ps(fold_ps(acc)) + offset;
     }
 }
 
@@ -627,9 +567,7 @@ static int q4_vnni(const float *x, int64_t K, int64_t N, const void *qs, const v
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-        const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
-        q4_vnni_rows(4, codes, &xq, K, qs, (const uint16_t *)d, m, n0, n4, out);
-        q4_vnni_rows(1, codes, &xq, K, qs, (const uint16_t *)d, m, n4, n1, out);
+        q4_vnni_rows(codes, &xq, K, qs, (const uint16_t *)d, m, n0, n1, out);
     }
     free(xq.block);
     return 0;
@@ -653,8 +591,8 @@ static inline __attribute__((always_inline)) __m512 q8_block_vnni(const int halv
  * block of 32 is one 512-bit load of the activations, one widening load of the weights and one multiply-add of
  * pairs, where the AVX2 route takes two of each; two chains (even and odd blocks) per weight row. The same integer
  * sums as that route. Against it, alternating in one process (medians of 10 rounds): Gemma 3's Q8_0 head streamed
- * 1.12x (0.82-1.63x), its int8 projections at one row 1.04x. Four weight rows at a time, as Q4 has, was 7% faster
- * in cache but 2.3x slower streamed, the int16 route's tiles too. */
+ * 1.12x (0.82-1.63x), its int8 projections at one row 1.04x. Four weight rows at a time (as Q4 then had, see
+ * tile) was 7% faster in cache but 2.3x slower streamed, the int16 route's tiles too. */
 static inline __attribute__((always_inline)) void q8_rows_vnni(const int kind, const quantized_rows *x, int64_t K,
                                                                 const int8_t *qs, const void *wd, int64_t n0,
                                                                 int64_t n1, float *out) {
@@ -700,20 +638,14 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
         for (int64_t r0 = 0; r0 < M; r0 += TILE) {
             const int64_t t = M - r0 < TILE ? M - r0 : TILE;
 #define NT_TILE(T)                                                                             \
-    if (kind == 4) tile(4, &xq, r0, T, 1, K, qs, d, m, n0, n1, out, ldo);                       \
-    else if (kind == 8) tile(8, &xq, r0, T, 1, K, qs, d, m, n0, n1, out, ldo);                  \
-    else tile(6, &xq, r0, T, 1, K, qs, d, m, n0, n1, out, ldo);
-            if (t == 1 && kind == 4) { /* one row: four Q4 rows at a time, then the rest one by one */
-                const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
-                tile(4, &xq, r0, 1, 4, K, qs, d, m, n0, n4, out, ldo);
-                tile(4, &xq, r0, 1, 1, K, qs, d, m, n4, n1, out, ldo);
-            } else {
-                switch (t) {
-                case 1: NT_TILE(1) break;
-                case 2: NT_TILE(2) break;
-                case 3: NT_TILE(3) break;
-                default: NT_TILE(4) break;
-                }
+    if (kind == 4) tile(4, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                          \
+    else if (kind == 8) tile(8, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                     \
+    else tile(6, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);
+            switch (t) {
+            case 1: NT_TILE(1) break;
+            case 2: NT_TILE(2) break;
+            case 3: NT_TILE(3) break;
+            default: NT_TILE(4) break;
             }
 #undef NT_TILE
         }
