@@ -144,7 +144,7 @@ class NativeStep:
     It applies where the FusedDecoder does, with the token table held as Q8 blocks (BlockEmbedding) and the head
     reading the file's own blocks (Int8GroupHead without a float weight: a requantized head rescores its candidates
     in torch), for up to HEAD_NATIVE_MAX_ROWS rows. The numbers are those of the module path: the same kernels in
-    the same order (tests/unit/test_native.py holds the logits equal).
+    the same order (tests/unit/test_engine.py holds the results equal).
     """
 
     def __init__(self, lib: ctypes.CDLL, model: CausalLM, fused: FusedDecoder) -> None:
