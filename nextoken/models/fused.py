@@ -1,19 +1,23 @@
-"""Decode steps in one native call: every decoder block of the model, for one new token per sequence.
+"""Forward passes in one native call: every decoder block of the model, for one new token per sequence (decode) or,
+where the CPU has AVX-512, for any batch of chunks (prefill, chunked prefill mixed with decodes).
 
 A decode step of a small model is thousands of tiny ops; on a CPU each costs microseconds in dispatch before it
 does any work, which is most of the step. `FusedDecoder` hands the whole stack of blocks to `nt_decode_layers`
 (ops/native/kernels.c), which runs, per block: RMSNorm, the fused QKV projection, per-head q/k norms where the
-model has them, rotary embedding, the K/V write into the paged cache, attention over each sequence's blocks, the
-output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in layers.py.
+model has them, rotary embedding, the K/V write into the paged cache, attention over each sequence's blocks (a
+chunk of several tokens through the prefill kernel, over its context gathered from the cache as the modules gather
+it), the output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in
+layers.py. Prefill through it: SmolLM2 1.03x, Gemma 3 1.08x (512 tokens, alternating with the modules, medians of 8
+rounds): its norms, rotary embedding and gated activations run on warm rows in one call.
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
 `GEMM_MIN_ROWS` rows on they are bound by compute, where a GEMM is faster: the native fp32 GEMM over each
 projection's packed panels (the ones its module uses for prefill), or with AVX-512 VNNI, where projections keep no
 panels, the int16 GEMM over the blocks; the step stays one native call either way.
 
-It is only a faster route through the same model: the modules stay the definition (prefill, GPUs and traced runs
-use them; `nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies
-when every projection is block-quantized on the native kernels.
+It is only a faster route through the same model: the modules stay the definition (GPUs and traced runs use them;
+`nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies when every
+projection is block-quantized on the native kernels.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
     from nextoken.models.layers import RMSNorm, RotaryEmbedding
 
 GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1  # rows from which a fused step's products take the fp32 GEMM (measured there)
+KEPT_SCRATCH_ROWS = HEAD_NATIVE_MAX_ROWS  # tokens whose scratch the decoder keeps between steps
 
 
 def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
@@ -76,6 +81,9 @@ class FusedDecoder:
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
         self.gemm_rows = GEMM_MIN_ROWS
         self._scratch = torch.empty(0)
+        # Whether chunks of several tokens per sequence (prefill) run here too: their attention is the native prefill
+        # kernel's, which needs AVX-512 and head sizes that are a multiple of 16 (elsewhere the modules run them).
+        self.chunks = bool(lib.nt_has_vnni512()) and all(layer.head_dim % 16 == 0 for layer in layers)
 
     @classmethod
     def build(cls, model: CausalLM) -> FusedDecoder | None:
@@ -88,10 +96,11 @@ class FusedDecoder:
             return None
 
     def applies(self, x: torch.Tensor, kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> bool:
-        """Decode-only batches of fp32 CPU rows over a cache the native attention reads, with no hooks on the blocks
-        (a tracer watching them sees the modules run)."""
+        """Batches of fp32 CPU rows over a cache the native attention reads, decode-only or (where the prefill kernel
+        runs: AVX-512, head sizes a multiple of 16) any, with no hooks on the blocks (a tracer watching them sees
+        the modules run)."""
         watched = (self.model.layers[0], self.model.norm)
-        return (meta.is_decode_only and x.dtype == torch.float32
+        return ((meta.is_decode_only or self.chunks) and x.dtype == torch.float32
                 and native.attends(x.device, kv_caches[0].k.dtype, kv_caches[0].k.shape[-1])
                 and not any(m._forward_hooks or m._forward_pre_hooks for m in watched))
 
@@ -107,25 +116,33 @@ class FusedDecoder:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x [num_seqs, hidden] (one new token per sequence) -> the residual stream after the last block, through the
-        model's final norm."""
-        top = max(meta.seq_lens)  # a decode token's position is its sequence's length - 1
+        """x [tokens, hidden] (the batch's new tokens, laid out as meta says) -> the residual stream after the last
+        block, through the model's final norm."""
+        top = max(meta.seq_lens)  # the last new token's position is its sequence's length - 1
         tables = []
         for rope in self.ropes:
             tables += [t.data_ptr() for t in rope.tables(top, positions.device)]
-        _, seq_lens, _ = meta.single_queries()
+        if meta.is_decode_only:
+            _, seq_lens, _ = meta.single_queries()
+            query_start = None
+        else:
+            seq_lens, query_start = torch.tensor(meta.seq_lens), torch.tensor(meta.query_start_loc)
         x = x.contiguous()
         caches, rope_tables = self._cache_structs(kv_caches), (ctypes.c_void_p * len(tables))(*tables)
         need = native.decode_scratch(self.lib, self.layers, x.shape[0])
-        # Kept between steps (a fresh buffer each step would fault its pages in); steps run one at a time.
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need)
+        # Kept between steps (a fresh buffer each step would fault its pages in; steps run one at a time), up to a
+        # batch of decode rows' size: a long prompt's chunk takes a buffer of its own (Gemma 3 at 2048 tokens: 134 MB).
+        scratch = self._scratch
+        if scratch.numel() < need:
+            scratch = torch.empty(need)
+            if x.shape[0] <= KEPT_SCRATCH_ROWS:
+                self._scratch = scratch
         # Named in profiles (benchmarks/), only while torch.profiler records: entering a name costs 0.1 ms a step.
         recording = torch.autograd.profiler._is_profiler_enabled
         with torch.profiler.record_function("nextoken::decode_layers") if recording else contextlib.nullcontext():
             native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
-                                 self.layers, caches, rope_tables, self._scratch, self.gemm_rows,
-                                 self.final_norm)
+                                 self.layers, caches, rope_tables, scratch, self.gemm_rows, self.final_norm,
+                                 query_start)
         return x
 
 

@@ -18,6 +18,7 @@ from nextoken.engine import engine as engine_module
 from nextoken.config import EngineConfig
 from nextoken.errors import ModelLoadError, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
+from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native
 from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
 from tests.tiny import write_tiny_model
@@ -364,9 +365,11 @@ def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType
     projection = blocks.engine.runner.model.layers[0].attn.qkv_proj
     assert isinstance(projection, BlockLinear) and projection.dense is None
     assert (projection.panels is None) == bool(native.library().nt_has_vnni512())  # with VNNI no panels either
-    for module in blocks.engine.runner.model.modules():
+    model = blocks.engine.runner.model
+    for module in model.modules():
         if isinstance(module, BlockLinear):
             module.pack_panels()
+    model.fused = FusedDecoder.build(model)  # its matrices with the panels (a prefill runs fused too)
     ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log")
     assert len(ids) > NATIVE_MAX_ROWS  # a prefill past the block kernels: the fp32 GEMM over the panels
     torch.testing.assert_close(blocks.engine.runner.score(ids), dense.engine.runner.score(ids), rtol=1e-4, atol=1e-4)

@@ -389,8 +389,8 @@ class Cache(ctypes.Structure):
 
 
 _SIGNATURES["nt_decode_scratch"] = (_i64, [_ptr, _i64, _i64])
-_SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
-                                          _i64, _ptr, _f32, _i32])
+_SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
+                                          _ptr, _ptr, _i64, _ptr, _f32, _i32])
 
 
 class Step(ctypes.Structure):
@@ -448,19 +448,26 @@ def decode_scratch(lib: ctypes.CDLL, layers: ctypes.Array, rows: int) -> int:
 def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
                   rope_tables: ctypes.Array, scratch: torch.Tensor, gemm_rows: int,
-                  final_norm: tuple[torch.Tensor, float] | None = None) -> None:
-    """Every decoder block over one new token per sequence, x [M, hidden] updated in place (nt_decode_layers);
-    scratch: fp32 of at least `decode_scratch` elements; products of `gemm_rows` rows or more take a GEMM: the fp32 one
-    over a projection's panels where its Matrix has them, else the one over its blocks (int16 with AVX-512 VNNI);
-    final_norm: (weight, eps) of an RMSNorm applied to x last."""
+                  final_norm: tuple[torch.Tensor, float] | None = None,
+                  query_start: torch.Tensor | None = None) -> None:
+    """Every decoder block over the new tokens x [M, hidden], updated in place (nt_decode_layers): one per sequence,
+    or with `query_start` [sequences + 1] (int64) each sequence's chunk of them, attended through the prefill kernel
+    where longer than one (AVX-512 only); seq_lens and tables are then per sequence. scratch: fp32 of at least
+    `decode_scratch` elements; products of `gemm_rows` rows or more take a GEMM: the fp32 one over a projection's
+    panels where its Matrix has them, else the one over its blocks (int16 with AVX-512 VNNI); final_norm: (weight,
+    eps) of an RMSNorm applied to x last."""
     positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
     if scratch.dtype != torch.float32 or scratch.numel() < decode_scratch(lib, layers, x.shape[0]):
         raise ValueError("decode_layers: scratch is not fp32 or too small")
+    if query_start is not None:
+        query_start = _indices(query_start)
     status = lib.nt_decode_layers(x.data_ptr(), x.shape[0], positions.data_ptr(), slots.data_ptr(),
-                                  seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0), ctypes.addressof(layers),
-                                  ctypes.addressof(caches), len(layers), ctypes.addressof(rope_tables),
-                                  scratch.data_ptr(), gemm_rows,
+                                  seq_lens.data_ptr(), tables.data_ptr(), tables.stride(0),
+                                  None if query_start is None else query_start.data_ptr(),
+                                  x.shape[0] if query_start is None else query_start.shape[0] - 1,
+                                  ctypes.addressof(layers), ctypes.addressof(caches), len(layers),
+                                  ctypes.addressof(rope_tables), scratch.data_ptr(), gemm_rows,
                                   None if final_norm is None else final_norm[0].data_ptr(),
                                   0.0 if final_norm is None else final_norm[1], torch.get_num_threads())
     if status:
-        raise RuntimeError("decode_layers: out of memory")
+        raise RuntimeError("decode_layers: out of memory, or a chunk's attention without AVX-512")

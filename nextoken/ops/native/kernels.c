@@ -1416,7 +1416,8 @@ void nt_rms_norm(float *x, const float *residual, const float *w, float *out, in
             const float *rr = residual + r * K;
             for (int64_t i = 0; i < K; i++) xr[i] += rr[i];
         }
-        float ss = 0.0f;
+        float ss = 0.0f; /* in vector lanes: one chain of K dependent adds took 4 cycles an element */
+#pragma omp simd reduction(+ : ss)
         for (int64_t i = 0; i < K; i++) ss += xr[i] * xr[i];
         const float scale = 1.0f / sqrtf(ss / (float)K + eps);
         for (int64_t i = 0; i < K; i++) o[i] = xr[i] * scale * w[i];
@@ -2049,6 +2050,58 @@ void nt_norm_rows(float *x, const float *residual, const float *w, float *out, i
         nt_rms_norm(x + r * K, residual ? residual + r * K : NULL, w, out + r * K, 1, K, eps);
 }
 
+int nt_prefill_attention(const float *q, const float *k, const float *v, float *out, int64_t T, int64_t S, int64_t H,
+                         int64_t KVH, int64_t D, float scale, int64_t window, int threads);
+
+/* Attention of a batch whose sequence s owns tokens [query_start[s], query_start[s + 1]), the last of its seq_lens[s]
+ * positions (already in the cache): q, out [tokens, H, D]. Sequences of one new token through decode_attention
+ * together; longer chunks through the prefill kernel over their whole context, gathered from the cache as fp32 (as
+ * the module path gathers it). */
+static int chunk_attention(const float *q, float *out, const int64_t *query_start, int64_t num_seqs,
+                           const int64_t *seq_lens, const int64_t *tables, int64_t table_stride, const nt_cache *c,
+                           int64_t H, int64_t KVH, int64_t D, float scale, int64_t window, int threads) {
+    int64_t singles = 0;
+    for (int64_t s = 0; s < num_seqs; s++) singles += query_start[s + 1] - query_start[s] == 1;
+    int status = 0;
+    if (singles) {
+        int64_t *rows = malloc((size_t)(3 * singles) * sizeof(int64_t)), *lens = rows + singles;
+        int64_t *table_rows = lens + singles;
+        if (!rows) return -1;
+        for (int64_t s = 0, i = 0; s < num_seqs; s++)
+            if (query_start[s + 1] - query_start[s] == 1) rows[i] = query_start[s], lens[i] = seq_lens[s], table_rows[i++] = s;
+        status |= decode_attention(q, out, singles, rows, lens, tables, table_rows, table_stride, c, H, KVH, D, scale,
+                                   window, threads);
+        free(rows);
+    }
+    const int64_t width = KVH * D;
+    const kv_store ks = {c->k, c->k_scales, (int)c->kind}, vs = {c->v, c->v_scales, (int)c->kind};
+    for (int64_t s = 0; s < num_seqs && !status; s++) {
+        const int64_t q0 = query_start[s], nq = query_start[s + 1] - q0, len = seq_lens[s];
+        if (nq < 2) continue;
+        float *kv = malloc((size_t)(2 * len * width) * sizeof(float)); /* K [len, width], then V */
+        int64_t *at = malloc((size_t)len * sizeof(int64_t));
+        if (!kv || !at) {
+            free(kv), free(at);
+            return -1;
+        }
+        cache_rows(tables + s * table_stride, c->block_size, KVH, 0, len, at);
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && len * width > 65536)
+        for (int64_t p = 0; p < len; p++) {
+            if (c->kind == 0) {
+                memcpy(kv + p * width, (const float *)c->k + at[p] * D, (size_t)width * sizeof(float));
+                memcpy(kv + (len + p) * width, (const float *)c->v + at[p] * D, (size_t)width * sizeof(float));
+            } else {
+                load_row(&ks, at[p] * D, width, kv + p * width);
+                load_row(&vs, at[p] * D, width, kv + (len + p) * width);
+            }
+        }
+        status |= nt_prefill_attention(q + q0 * H * D, kv, kv + len * width, out + q0 * H * D, nq, len, H, KVH, D,
+                                       scale, window, threads);
+        free(kv), free(at);
+    }
+    return status ? -1 : 0;
+}
+
 /* Floats of scratch that nt_decode_layers needs for M tokens: four buffers of M rows of the widest activation. */
 int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M) {
     int64_t widest = 0;
@@ -2060,16 +2113,19 @@ int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M)
     return 4 * M * widest;
 }
 
-/* Runs `num_layers` decoder blocks over M decode tokens, token t being the one new token of sequence t: x [M, hidden]
- * is the residual stream, updated in place. positions, slots (cache slot of each new token), seq_lens [M]; block
- * tables [M, table_stride]; rope_tables: (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least
- * nt_decode_scratch() floats; gemm_rows: from how many rows products take a GEMM (see matmul); final_norm:
- * the model's last RMSNorm, applied to x in place after the last block (null: none). Returns 0, or -1 when a size is
- * unsupported or memory runs out. */
+/* Runs `num_layers` decoder blocks over M new tokens: x [M, hidden] is the residual stream, updated in place.
+ * positions, slots (cache slot of each new token) [M]. With query_start null, token t is the one new token of
+ * sequence t (a decode step: seq_lens [M], block tables [M, table_stride]); else sequence s of num_seqs owns tokens
+ * [query_start[s], query_start[s + 1]) (seq_lens [num_seqs], block tables [num_seqs, table_stride]), and a chunk of
+ * several tokens attends through the prefill kernel (chunk_attention: AVX-512 only; elsewhere -1). rope_tables:
+ * (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least nt_decode_scratch() floats; gemm_rows: from
+ * how many rows products take a GEMM (see matmul); final_norm: the model's last RMSNorm, applied to x in place
+ * after the last block (null: none). Returns 0, or -1 when a size is unsupported or memory runs out. */
 int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
-                     const int64_t *tables, int64_t table_stride, const nt_layer *layers, const nt_cache *caches,
-                     int64_t num_layers, const float *const *rope_tables, float *scratch, int64_t gemm_rows,
-                     const float *final_norm, float final_eps, int threads) {
+                     const int64_t *tables, int64_t table_stride, const int64_t *query_start, int64_t num_seqs,
+                     const nt_layer *layers, const nt_cache *caches, int64_t num_layers,
+                     const float *const *rope_tables, float *scratch, int64_t gemm_rows, const float *final_norm,
+                     float final_eps, int threads) {
     const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
     float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
     int status = 0;
@@ -2095,8 +2151,12 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
             store_row(c->v, c->v_scales, c->kind, at, row + (H + KVH) * D, KVH * D);
             memcpy(att + t * H * D, row, (size_t)(H * D) * sizeof(float)); /* q, contiguous per token */
         }
-        status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
-                                   L->window, threads);
+        if (query_start)
+            status |= chunk_attention(att, tmp, query_start, num_seqs, seq_lens, tables, table_stride, c, H, KVH, D,
+                                      L->scale, L->window, threads);
+        else
+            status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
+                                       L->window, threads);
         status |= matmul(&L->o, tmp, M, h, threads, gemm_rows);
         if (L->attn_out_norm) nt_norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
@@ -2198,9 +2258,9 @@ int nt_decode_step(const nt_step *s, const int64_t *ints, int64_t M, int64_t tab
     if (s->embed_scale != 1.0f)
         for (int64_t i = 0; i < M * hidden; i++) s->x[i] *= s->embed_scale;
     const int threads = (int)s->threads;
-    if (nt_decode_layers(s->x, M, positions, slots, seq_lens, ints + 4 * M, table_stride, s->layers, s->caches,
-                         s->num_layers, s->rope_tables, s->scratch, s->gemm_rows, s->final_norm, s->final_eps,
-                         threads))
+    if (nt_decode_layers(s->x, M, positions, slots, seq_lens, ints + 4 * M, table_stride, NULL, M, s->layers,
+                         s->caches, s->num_layers, s->rope_tables, s->scratch, s->gemm_rows, s->final_norm,
+                         s->final_eps, threads))
         return -1;
     const int kind = (int)s->head_kind;
     int status;
