@@ -31,8 +31,8 @@ import torch
 from benchmarks.common import save
 from benchmarks.latency import llama_bench
 from nextoken import LLM, SamplingParams
-from nextoken.ops import native
 from nextoken.models.fused import NativeStep
+from nextoken.ops import native
 from nextoken.ops.quant_linear import BlockLinear
 
 PROJECTIONS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")

@@ -177,8 +177,7 @@ class ModelRunner:
         if self._step[0] is not fused:
             self._step = (fused, NativeStep.build(self.model))
         step = self._step[1]
-        if step is None or len(scheduled) > self.config.max_num_seqs or not step.applies(len(scheduled),
-                                                                                          self.kv_pool.layers):
+        if step is None or not step.applies(len(scheduled), self.kv_pool.layers):
             return None
         batch = DecodeBatch.build(scheduled, self.block_size)
         if batch is None:

@@ -55,6 +55,17 @@ def _norm(norm: RMSNorm | None) -> int | None:
     return None if norm is None else norm.weight.data_ptr()
 
 
+def _hooked(*modules: torch.nn.Module) -> bool:
+    """Whether something watches these modules (a tracer's hooks: it must see the modules run)."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _named(name: str) -> contextlib.AbstractContextManager:
+    """A span named in profiles (benchmarks/), only while torch.profiler records: entering a name costs 0.1 ms."""
+    return torch.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled else \
+        contextlib.nullcontext()
+
+
 class FusedDecoder:
     def __init__(self, lib: ctypes.CDLL, model: CausalLM) -> None:
         """Use `build`, which returns None where the model cannot run fused."""
@@ -99,10 +110,15 @@ class FusedDecoder:
         """Batches of fp32 CPU rows over a cache the native attention reads, decode-only or (where the prefill kernel
         runs: AVX-512, head sizes a multiple of 16) any, with no hooks on the blocks (a tracer watching them sees
         the modules run)."""
-        watched = (self.model.layers[0], self.model.norm)
         return ((meta.is_decode_only or self.chunks) and x.dtype == torch.float32
                 and native.attends(x.device, kv_caches[0].k.dtype, kv_caches[0].k.shape[-1])
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in watched))
+                and not _hooked(self.model.layers[0], self.model.norm))
+
+    def rope_tables(self, length: int) -> tuple[ctypes.Array, list[torch.Tensor]]:
+        """The (cos, sin) tables of every rotary module, grown to cover positions below `length`: their addresses as
+        the kernel reads them, and the tensors (which must outlive any use of the addresses)."""
+        tables = [t for rope in self.ropes for t in rope.tables(length, torch.device("cpu"))]
+        return (ctypes.c_void_p * len(tables))(*(t.data_ptr() for t in tables)), tables
 
     def _cache_structs(self, kv_caches: list[KVCacheLayer]) -> ctypes.Array:
         """The layers' caches as the kernel's structs, rebuilt when other cache objects come in. The structs hold
@@ -118,17 +134,14 @@ class FusedDecoder:
                  meta: AttentionMetadata) -> torch.Tensor:
         """x [tokens, hidden] (the batch's new tokens, laid out as meta says) -> the residual stream after the last
         block, through the model's final norm."""
-        top = max(meta.seq_lens)  # the last new token's position is its sequence's length - 1
-        tables = []
-        for rope in self.ropes:
-            tables += [t.data_ptr() for t in rope.tables(top, positions.device)]
+        rope_tables, _ = self.rope_tables(max(meta.seq_lens))  # a token's position is below its sequence's length
         if meta.is_decode_only:
             _, seq_lens, _ = meta.single_queries()
             query_start = None
         else:
             seq_lens, query_start = torch.tensor(meta.seq_lens), torch.tensor(meta.query_start_loc)
         x = x.contiguous()
-        caches, rope_tables = self._cache_structs(kv_caches), (ctypes.c_void_p * len(tables))(*tables)
+        caches = self._cache_structs(kv_caches)
         need = native.decode_scratch(self.lib, self.layers, x.shape[0])
         # Kept between steps (a fresh buffer each step would fault its pages in; steps run one at a time), up to a
         # batch of decode rows' size: a long prompt's chunk takes a buffer of its own (Gemma 3 at 2048 tokens: 134 MB).
@@ -137,9 +150,7 @@ class FusedDecoder:
             scratch = torch.empty(need)
             if x.shape[0] <= KEPT_SCRATCH_ROWS:
                 self._scratch = scratch
-        # Named in profiles (benchmarks/), only while torch.profiler records: entering a name costs 0.1 ms a step.
-        recording = torch.autograd.profiler._is_profiler_enabled
-        with torch.profiler.record_function("nextoken::decode_layers") if recording else contextlib.nullcontext():
+        with _named("nextoken::decode_layers"):
             native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
                                  self.layers, caches, rope_tables, scratch, self.gemm_rows, self.final_norm,
                                  query_start)
@@ -169,7 +180,7 @@ class NativeStep:
         self.lib, self.model, self.fused = lib, model, fused
         embed, head = model.embed_tokens, model.quantized_head
         assert isinstance(embed, BlockEmbedding) and head is not None
-        self._watched = (model, model.layers[0], model.norm)
+        self._watched_blocks = (model.layers[0], model.norm)
         self.plan = native.Step(
             layers=ctypes.addressof(fused.layers), num_layers=len(fused.layers), gemm_rows=fused.gemm_rows,
             final_norm=fused.final_norm[0].data_ptr(), final_eps=fused.final_norm[1],
@@ -198,12 +209,12 @@ class NativeStep:
         return cls(fused.lib, model, fused)
 
     def applies(self, rows: int, kv_caches: list[KVCacheLayer]) -> bool:
-        """As FusedDecoder.applies, for `rows` sequences (hooks on the model: a tracer watching sees its modules)."""
+        """As FusedDecoder.applies, for `rows` sequences (the model itself watched too: this step bypasses its
+        forward)."""
         if self._attends is None or self._attends[0] is not kv_caches:
             k = kv_caches[0].k
             self._attends = (kv_caches, native.attends(k.device, k.dtype, k.shape[-1]))
-        return (rows <= HEAD_NATIVE_MAX_ROWS and self._attends[1]
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in self._watched))
+        return rows <= HEAD_NATIVE_MAX_ROWS and self._attends[1] and not _hooked(self.model, *self._watched_blocks)
 
     def run(self, ints: list[int], rows: int, table_stride: int, kv_caches: list[KVCacheLayer],
             logits: torch.Tensor, greedy: bool) -> list[int] | None:
@@ -216,10 +227,8 @@ class NativeStep:
             self._grow(rows)
         top = max(ints[3 * rows:4 * rows])  # the longest context: the rope tables cover the positions below it
         if top > self._rope_rows:
-            tables = [t for rope in self.fused.ropes for t in rope.tables(top, torch.device("cpu"))]
-            self._ropes = (ctypes.c_void_p * len(tables))(*(t.data_ptr() for t in tables))
-            self._rope_tables = tables
-            self._rope_rows = min(t.shape[0] for t in tables)
+            self._ropes, self._rope_tables = self.fused.rope_tables(top)
+            self._rope_rows = min(t.shape[0] for t in self._rope_tables)
             plan.rope_tables = ctypes.addressof(self._ropes)
         caches = self.fused._cache_structs(kv_caches)
         if caches is not self._caches:
@@ -230,10 +239,7 @@ class NativeStep:
         _, address, stride = self._logits
         inputs = (ctypes.c_int64 * len(ints))(*ints)
         argmax = self._argmax if greedy else None
-        if torch.autograd.profiler._is_profiler_enabled:  # named in profiles (benchmarks/)
-            with torch.profiler.record_function("nextoken::decode_step"):
-                native.decode_step(self.lib, plan, inputs, rows, table_stride, address, stride, argmax)
-        else:
+        with _named("nextoken::decode_step"):
             native.decode_step(self.lib, plan, inputs, rows, table_stride, address, stride, argmax)
         return argmax[:rows] if argmax is not None else None
 

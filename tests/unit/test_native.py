@@ -393,6 +393,34 @@ def decode_step(net: torch.nn.Module, cfg: ModelConfig, pool: KVPool, tokens: li
     return net(torch.tensor(tokens), torch.tensor(lengths), pool.layers, meta)
 
 
+def _twin(pool: KVPool) -> KVPool:
+    """A second pool holding what `pool` holds (the module path's, for the same step)."""
+    twin = KVPool(pool.shape, pool.num_blocks, BLOCK, torch.device("cpu"))
+    for mine, other in zip(pool.layers, twin.layers):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            if getattr(mine, name) is not None:
+                getattr(other, name).copy_(getattr(mine, name))
+    return twin
+
+
+def _assert_same_step(got: torch.Tensor, expected: torch.Tensor, pool: KVPool, twin: KVPool, kv_dtype: str,
+                      int8_activations: bool = False) -> None:
+    """A fused step's logits and cache writes against the modules'. Same formulas in a different order (and int16
+    activation blocks that may round a last bit differently; a narrow cache may then store a value one step apart:
+    2^-8 in bf16, a code in int8, up to 1/254 of its group's largest value, which moves a tiny model's logits by up
+    to a few hundredths). A misplaced window or slot moves logits by ~1. With int8 activation codes, one that rounds
+    the other way moves a K or V value by up to one of their steps, which an int8 cache may store two codes apart."""
+    atol = {"fp32": 2e-3, "bf16": 1e-2, "int8": 5e-2}[kv_dtype]
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=atol)
+    for mine, other in zip(pool.layers, twin.layers):
+        for name in ("k", "v", "k_scale", "v_scale"):
+            if getattr(mine, name) is not None:
+                a, b = getattr(mine, name), getattr(other, name)
+                codes = a.dtype == torch.int8
+                torch.testing.assert_close(a.float(), b.float(), rtol=0 if codes else 1e-2,
+                                           atol=(2 if int8_activations else 1) if codes else 2e-3)
+
+
 @pytest.mark.parametrize("products", ["blocks", "gemm", "int16", "int8"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
@@ -445,32 +473,12 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
     lengths = list(CONTEXTS)
     for _ in range(3):
         tokens = torch.randint(3, cfg.vocab_size, (len(lengths),), generator=gen).tolist()
-        twin = KVPool(pool.shape, pool.num_blocks, BLOCK, torch.device("cpu"))
-        for mine, other in zip(pool.layers, twin.layers):
-            for name in ("k", "v", "k_scale", "v_scale"):
-                if getattr(mine, name) is not None:
-                    getattr(other, name).copy_(getattr(mine, name))
+        twin = _twin(pool)
         fused, net.fused = net.fused, None
         expected = decode_step(net, cfg, twin, tokens, lengths)
         net.fused = fused
         got = decode_step(net, cfg, pool, tokens, lengths)
-        # Same formulas in a different order (and int16 activation blocks that may round a last bit differently;
-        # a narrow cache may then store a value one step apart: 2^-8 in bf16, a code in int8, up to 1/254 of its
-        # group's largest value, which moves a tiny model's logits by up to a few hundredths). A misplaced window
-        # or slot moves logits by ~1.
-        atol = {"fp32": 2e-3, "bf16": 1e-2, "int8": 5e-2}[kv_dtype]
-        torch.testing.assert_close(got, expected, rtol=1e-3, atol=atol)
-        for mine, other in zip(pool.layers, twin.layers):
-            for name in ("k", "v", "k_scale", "v_scale"):
-                if getattr(mine, name) is not None:
-                    # as close as the logits: a bf16 value may round one step apart (2^-8), an int8 code by one;
-                    # with int8 activation codes too, a code of the activations that rounds the other way moves a
-                    # K or V value by up to one of their steps, which the cache may store two codes apart
-                    a, b = getattr(mine, name), getattr(other, name)
-                    codes = a.dtype == torch.int8
-                    code_atol = 2 if products == "int8" else 1
-                    torch.testing.assert_close(a.float(), b.float(), rtol=0 if codes else 1e-2,
-                                               atol=code_atol if codes else 2e-3)
+        _assert_same_step(got, expected, pool, twin, kv_dtype, int8_activations=products == "int8")
         lengths = [length + 1 for length in lengths]
     # An int8 cache needs heads of a multiple of 32 values natively (tiny Llama's are 16): the modules run it.
     assert len(runs) == (0 if kv_dtype == "int8" and cfg.head_dim % 32 else 3)
@@ -506,23 +514,12 @@ def test_fused_chunks_match_the_modules(arch: str, kv_dtype: str, tiny_llama: Pa
     positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, new)])
     slots = torch.cat([4 * s * BLOCK + torch.arange(c, c + n) for s, (c, n) in enumerate(zip(cached, new))])
     starts = [0, 5, 12, 13]
-    twin = KVPool(pool.shape, pool.num_blocks, BLOCK, torch.device("cpu"))
-    for mine, other in zip(pool.layers, twin.layers):
-        for name in ("k", "v", "k_scale", "v_scale"):
-            if getattr(mine, name) is not None:
-                getattr(other, name).copy_(getattr(mine, name))
+    twin = _twin(pool)
     lens = [c + n for c, n in zip(cached, new)]
     expected = net(ids, positions, twin.layers, AttentionMetadata(slots, starts, lens, tables, BLOCK))
     net.fused = fused
     got = net(ids, positions, pool.layers, AttentionMetadata(slots, starts, lens, tables, BLOCK))
-    atol = {"fp32": 2e-3, "bf16": 1e-2, "int8": 5e-2}[kv_dtype]
-    torch.testing.assert_close(got, expected, rtol=1e-3, atol=atol)
-    for mine, other in zip(pool.layers, twin.layers):
-        for name in ("k", "v", "k_scale", "v_scale"):
-            if getattr(mine, name) is not None:
-                a, b = getattr(mine, name), getattr(other, name)
-                codes = a.dtype == torch.int8
-                torch.testing.assert_close(a.float(), b.float(), rtol=0 if codes else 1e-2, atol=1 if codes else 2e-3)
+    _assert_same_step(got, expected, pool, twin, kv_dtype)
     native_attends = not (kv_dtype == "int8" and cfg.head_dim % 32)
     assert len(runs) == int(fused.chunks and native_attends)
     assert fused.chunks == bool(native.library().nt_has_vnni512())  # tiny heads are multiples of 16
