@@ -15,7 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -178,24 +178,53 @@ class _Cursor:
         return [self.value(etype, f"{what}[{i}]", depth) for i in range(count)]
 
     def _strings(self, count: int, what: str) -> list[str]:
-        # The hot loop of a load (262k vocabulary strings): locals and one slice per string.
+        # The hot loop of a load (262k vocabulary strings) only reads lengths: past the end of the file, unpack_from
+        # raises, and a last length too long leaves pos past it; either way a second walk names the string. The
+        # strings are then decoded in one call, joined by NUL, which ends any UTF-8 sequence as a string's end does.
         buf, size, pos = self.buf, self.size, self.pos
+        start = pos
         unpack = struct.Struct("<Q").unpack_from
-        out: list[str] = []
-        append = out.append
+        lengths: list[int] = []
+        append = lengths.append
+        try:
+            for _ in range(count):
+                (length,) = unpack(buf, pos)
+                append(length)
+                pos += 8 + length
+        except (struct.error, OverflowError):  # an offset past the end, or past any index
+            pos = size + 1
+        if pos > size:
+            self._truncated_string(start, count, what)
+        self.pos = pos
+        if count == 0:
+            return []
+        region = np.frombuffer(buf, dtype=np.uint8, count=pos - start, offset=start).copy()
+        lens = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(lens + 8)  # each string's end within the region
+        heads = ends - lens - 8  # where its 8-byte length field starts
+        keep = np.ones(region.size, dtype=bool)
+        keep[(heads[:, None] + np.arange(1, 8)).ravel()] = False
+        region[heads] = 0  # each length field's first byte becomes the separator
+        out = region[keep][1:].tobytes().decode("utf-8", errors="replace").split("\0")
+        if len(out) == count:
+            return out
+        # A string holding NUL itself: one decode per string.
+        return [buf[start + h + 8:start + e].decode("utf-8", errors="replace")
+                for h, e in zip(heads.tolist(), ends.tolist())]
+
+    def _truncated_string(self, pos: int, count: int, what: str) -> NoReturn:
+        """Raise naming the first of `count` strings from `pos` that does not fit in the file."""
         for i in range(count):
-            if pos + 8 > size:
+            if pos + 8 > self.size:
                 self.pos = pos
                 raise self.fail(f"truncated: length of {what}[{i}] at offset {pos} is past the end of the file")
-            (length,) = unpack(buf, pos)
+            (length,) = struct.unpack_from("<Q", self.buf, pos)
             pos += 8
-            if pos + length > size:
+            if pos + length > self.size:
                 raise self.fail(f"truncated: {what}[{i}] needs {length} bytes at offset {pos}, "
-                                f"but the file has {size} bytes")
-            append(buf[pos:pos + length].decode("utf-8", errors="replace"))
+                                f"but the file has {self.size} bytes")
             pos += length
-        self.pos = pos
-        return out
+        raise AssertionError("called for strings that fit")
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:

@@ -96,6 +96,12 @@ CASES: dict[str, tuple[bytes, str]] = {
     "huge array": (_header(num_kv=1) + _string("k") + struct.pack("<IIQ", 9, 4, 2**61), "truncated"),
     "huge string array": (_header(num_kv=1) + _string("k") + struct.pack("<IIQ", 9, 8, 2**60) + b"\0" * 32,
                           "more than"),
+    "array string past end": (_header(num_kv=1) + _string("k") + struct.pack("<IIQ", 9, 8, 3) + _string("ab") +
+                              struct.pack("<Q", 40) + b"\0" * 16, "k[1] needs 40 bytes"),
+    "array length past end": (_header(num_kv=1) + _string("k") + struct.pack("<IIQ", 9, 8, 3) + _string("ab") +
+                              _string("c" * 9) + b"\0" * 4, "length of k[2]"),
+    "array string length huge": (_header(num_kv=1) + _string("k") + struct.pack("<IIQ", 9, 8, 2) +
+                                 struct.pack("<Q", 2**63) + b"\0" * 16, "k[0] needs"),
     "deeply nested arrays": (_header(num_kv=1) + _string("k") + struct.pack("<I", 9) +
                              struct.pack("<IQ", 9, 1) * 5000 + b"\0" * 64, "nests arrays"),
     "duplicate key": (_header(num_kv=2) + _kv_u32("a", 1) + _kv_u32("a", 2), "duplicate metadata key"),
@@ -111,6 +117,19 @@ CASES: dict[str, tuple[bytes, str]] = {
     "data beyond end": (_file_with_tensor([1024], qtype=0, data_bytes=64), "beyond the end"),
     "misaligned offset": (_file_with_tensor([4], offset=3), "not aligned"),
 }
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(strings=st.lists(st.binary(max_size=8) | st.sampled_from([b"\xe4\xbb", b"\xf0\x9f\x98", b"\x80", b"\0"]),
+                        max_size=40))
+def test_string_arrays_decode_each_string_alone(tmp_path: Path, strings: list[bytes]) -> None:
+    """Invalid UTF-8 (cut sequences, stray continuation bytes) and NUL bytes read as each string decoded alone."""
+    path = tmp_path / "strings.gguf"
+    array = _string("tokens") + struct.pack("<IIQ", 9, 8, len(strings)) + b"".join(_string(s) for s in strings)
+    path.write_bytes(_header(num_kv=2) + array + _kv_u32("after", 7))
+    metadata = read_gguf(path).metadata
+    assert metadata["tokens"] == [s.decode("utf-8", errors="replace") for s in strings]
+    assert metadata["after"] == 7  # the walk ends where the array does
 
 
 @pytest.mark.parametrize("case", list(CASES))
