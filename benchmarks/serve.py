@@ -5,7 +5,9 @@ throughput and output tokens/s.
 Run: .venv/bin/python -m benchmarks.serve [--model smollm2-135m-instruct] [--num-prompts 48]
      [--concurrency 8 | --request-rate 4] [--input-len 32 256] [--output-len 16 128] [--seed 0] [--url URL]
 
-Without --url it starts its own `nextoken serve` on 127.0.0.1 (a free port) and stops it at the end. The dataset is
+Without --url it starts its own `nextoken serve` on 127.0.0.1 (a free port) and stops it at the end, then runs the
+same requests through the engine in this process, `concurrency` in flight at a time (the baseline: the server's
+TPOT over the engine's shows what serving adds per token). The dataset is
 fixed by the seed: prompts are windows of a fixed English text's token ids (tokenized by the server's /tokenize),
 with input and output lengths drawn uniformly from the given ranges; `ignore_eos` makes every request produce
 exactly its output length. Bounded: at most --num-prompts requests, and outstanding ones are cancelled (counted as
@@ -142,6 +144,34 @@ def report(results: list[Result], duration: float) -> dict[str, float]:
     return out
 
 
+def in_process(model: str, kv_cache_bytes: int, dataset: list[tuple[list[int], int]], concurrency: int
+               ) -> dict[str, float]:
+    """The same requests through LLMEngine in this process (`concurrency` in flight, as the server was driven),
+    after the server has stopped: mean and p50 TPOT, and output tokens/s."""
+    from nextoken import LLM, SamplingParams
+
+    engine = LLM(model, kv_cache_bytes=kv_cache_bytes).engine
+    engine.add_request(dataset[0][0][:16], SamplingParams(temperature=0, max_tokens=4))  # warm-up, untimed
+    while engine.has_unfinished():
+        engine.step()
+    waiting, done, live = list(dataset), [], 0
+    start = time.perf_counter()
+    while waiting or engine.has_unfinished():
+        while waiting and live < concurrency:
+            prompt, max_tokens = waiting.pop(0)
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            live += 1
+        for out in engine.step():
+            if out.finished and out.request is not None:
+                done.append(out.request)
+                live -= 1
+    duration = time.perf_counter() - start
+    tpot = [(r.timings.finished - r.timings.first_token) / (len(r.output_ids) - 1) * 1e3
+            for r in done if r.timings.finished and r.timings.first_token and len(r.output_ids) > 1]
+    return {"mean_tpot_ms": float(np.mean(tpot)), "p50_tpot_ms": float(np.percentile(tpot, 50)),
+            "output_tokens_per_s": sum(len(r.output_ids) for r in done) / duration}
+
+
 def start_server(model: str, kv_cache_bytes: int, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "nextoken", "serve", "--model", model, "--host", "127.0.0.1", "--port", "0",
            "--kv-cache-bytes", str(kv_cache_bytes), *extra]
@@ -169,6 +199,7 @@ def main() -> None:
     parser.add_argument("--max-duration", type=float, default=600.0, help="seconds before outstanding requests "
                                                                            "are cancelled")
     parser.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="for the server started here")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the in-process run of the same requests")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     if not 1 <= args.num_prompts <= 10_000:
@@ -194,9 +225,12 @@ def main() -> None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(60)
     figures = report(results, duration)
+    baseline = None
+    if proc is not None and concurrency and not args.no_baseline:
+        baseline = in_process(args.model, args.kv_cache_bytes, dataset, concurrency)
     if args.json:
         print(json.dumps({"model": model, "concurrency": concurrency, "request_rate": args.request_rate,
-                          **figures}))
+                          **figures, **({"in_process": baseline} if baseline else {})}))
         return
     load = f"concurrency {concurrency}" if concurrency else f"request rate {args.request_rate}/s (Poisson)"
     print(f"{model}: {figures['completed']:.0f}/{figures['requests']:.0f} requests in {duration:.1f} s, {load}")
@@ -206,6 +240,11 @@ def main() -> None:
         if f"mean_{name}" in figures:
             print(f"  {name[:-3].upper():5s} mean {figures[f'mean_{name}']:8.1f} ms   p50 {figures[f'p50_{name}']:8.1f} "
                   f"ms   p99 {figures[f'p99_{name}']:8.1f} ms")
+    if baseline and "mean_tpot_ms" in figures:
+        print(f"  the same requests in this process, {concurrency} in flight: TPOT mean "
+              f"{baseline['mean_tpot_ms']:.1f} ms, p50 {baseline['p50_tpot_ms']:.1f} ms, output "
+              f"{baseline['output_tokens_per_s']:.1f} tok/s; the server's TPOT is "
+              f"{figures['mean_tpot_ms'] / baseline['mean_tpot_ms']:.2f}x the engine's")
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         print(f"  failed: {sum(not r.ok for r in results)} ({', '.join(errors)})")

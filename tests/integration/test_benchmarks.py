@@ -4,7 +4,9 @@ so an interface the engine changed cannot leave a benchmark broken until someone
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,6 +52,19 @@ def test_throughput_runs_a_batch_and_one_by_one(llm: LLM) -> None:
     assert batched.num_output_tokens == 4 * 5 and serial.num_output_tokens == 2 * 5
     assert batched.decode_tok_s and batched.decode_tok_s > 0 and serial.decode_tok_s and serial.decode_tok_s > 0
     assert serial.scaled_wall_s == pytest.approx(serial.wall_s * 2)
+
+
+def test_serve_times_the_server_and_the_engine_alone() -> None:
+    """A server started by the benchmark, streamed to, stopped; then the same requests through the engine in
+    process, whose TPOT the server's is set against."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.serve", "--model", REAL_MODELS[MODEL], "--num-prompts",
+                          "3", "--concurrency", "2", "--input-len", "8", "24", "--output-len", "5", "5",
+                          "--kv-cache-bytes", str(64 << 20), "--json"], capture_output=True, text=True, timeout=300,
+                         check=True)
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert figures["completed"] == 3 and figures["mean_tpot_ms"] > 0
+    base = figures["in_process"]
+    assert base["mean_tpot_ms"] > 0 and base["output_tokens_per_s"] > 0
 
 
 def stub_python(tmp_path: Path, body: str) -> str:
