@@ -127,6 +127,7 @@ class LLM:
         finally:
             if not finished:
                 self.engine.abort(request_id)
+            self.engine.release_threads()  # the next call may come from another thread
 
     def _run(self, items: list[tuple[str | None, list[int]]], params: SamplingParams,
              use_tqdm: bool | None) -> list[GenerationOutput]:
@@ -164,6 +165,7 @@ class LLM:
             for rid in texts:
                 if rid not in done:
                     engine.abort(rid)
+            engine.release_threads()  # the next call may come from another thread
         failed = [rid for rid, req in done.items() if req.finish_reason == "error"]
         if failed:
             raise NextokenError(f"generation failed inside the engine for request(s) {', '.join(failed)}; "

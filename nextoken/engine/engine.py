@@ -30,6 +30,7 @@ from nextoken.errors import NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
 from nextoken.loader.registry import model_name_for, resolve_model
 from nextoken.models.config import ModelConfig
+from nextoken.ops import native
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat import ChatTemplate
 from nextoken.tokenizer.tokenizer import Tokenizer
@@ -100,6 +101,7 @@ class LLMEngine:
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._ids = itertools.count()
+        self.release_threads()  # the loading thread's: whichever thread steps next does not share the CPUs with them
 
     # --- requests --------------------------------------------------------------------------------------------
 
@@ -146,6 +148,14 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
+
+    def release_threads(self) -> None:
+        """Let the calling thread's OpenMP workers go (see nt_release_threads): for a thread that is done stepping
+        for now, so that the next thread to step, another one perhaps, runs at full speed. Its next step on this
+        thread starts new workers (a thread start, tens of microseconds)."""
+        lib = native.library() if self.runner.device.type == "cpu" else None
+        if lib is not None:
+            lib.nt_release_threads()
 
     def idle_work(self) -> bool:
         """Work for a moment without requests: the weights' move onto huge pages, applied once its copy is ready

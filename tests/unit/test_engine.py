@@ -4,8 +4,10 @@ no greedy output, stop conditions, length errors, seeded sampling, abort."""
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -386,3 +388,34 @@ def test_a_tensor_of_the_wrong_shape_is_named(qtype: GGMLQuantizationType | None
     bad = write_tiny_model(tmp_path / "bad.gguf", "llama", projections=qtype, wrong_shape=wrong)
     with pytest.raises(ModelLoadError, match=wrong[0].replace(".", r"\.")):
         LLM(str(bad), device="cpu", weights="int4", kv_cache_bytes=8 << 20)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _settled_thread_count(want: int) -> int:
+    for _ in range(100):  # a released worker may take a moment to exit
+        if _os_threads() == want:
+            break
+        time.sleep(0.01)
+    return _os_threads()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir() or native.library() is None,
+                    reason="counts the process's threads in /proc; the kernels' OpenMP workers")
+def test_generate_lets_its_openmp_workers_go(tiny_llama: Path) -> None:
+    """After loading and after each generate or stream, the calling thread's OpenMP workers are gone, so that
+    another thread can step next without parked workers of this one sharing the CPUs (nt_release_threads)."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, threads=2)
+    llm.engine.runner.settle()  # the huge-page copy's thread has ended
+    idle = _os_threads()
+    native.rms_norm(native.library(), torch.ones(64, 32), torch.ones(32), 1e-6)  # a parallel region: a worker
+    assert _os_threads() > idle
+    llm.engine.release_threads()
+    assert _settled_thread_count(idle) == idle
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate("the cat sat", params, use_tqdm=False)
+    assert _settled_thread_count(idle) == idle
+    tokens = [t for out in llm.stream(llm.encode("hello"), params) for t in out.new_token_ids]
+    assert len(tokens) == 6 and _settled_thread_count(idle) == idle

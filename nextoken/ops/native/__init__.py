@@ -46,6 +46,7 @@ _SIGNATURES = {
     "nt_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "nt_has_avx2": (_i32, []),
     "nt_has_vnni512": (_i32, []),
+    "nt_release_threads": (None, []),
     "nt_decode_attention": (_i32, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32,
                                    _i64, _i64, _i64, _i64, _f32, _i64, _i32]),
 }

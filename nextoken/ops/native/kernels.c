@@ -57,6 +57,12 @@ int nt_has_avx2(void) {
 #endif
 }
 
+/* Frees the calling thread's OpenMP workers; its next parallel region starts new ones. libgomp keeps a pool of
+ * workers for every thread that starts regions, and once its threads outnumber the CPUs it parks them between
+ * regions instead of letting them spin: a decode step's few hundred short regions then took 2.5x as long. A thread
+ * that is done stepping for now calls this, so that another one can step at full speed. */
+void nt_release_threads(void) { omp_pause_resource_all(omp_pause_soft); }
+
 int nt_has_vnni512(void) {
 #ifdef NT_VNNI512
     return 1;
