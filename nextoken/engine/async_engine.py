@@ -1,10 +1,8 @@
 """AsyncEngine: one LLMEngine driven by a background thread, for asyncio callers (the HTTP server).
 
 Given an EngineConfig, that thread also builds the LLMEngine, so that every OpenMP parallel region of the process
-starts from one thread. libgomp keeps a pool of workers for each thread that starts regions, and once its threads
-outnumber the CPUs it stops spinning between regions and parks its workers instead: waking them for each of a
-decode step's few hundred short regions made a 2-core server's steps 2.5x slower when the model had been loaded on
-the main thread and was stepped on another.
+starts from one thread: with a second pool of libgomp workers (the loading thread's) a 2-core server's steps ran
+2.5x slower (see nt_release_threads in ops/native/kernels.c).
 
 Invariants: every call into the engine (add, abort, step) happens on the engine thread; callers reach it only through
 a command list guarded by a condition variable, processed between steps. The thread steps while any request is
