@@ -9,8 +9,12 @@ Stage order, each stage skipped when no row of the batch uses it:
   6. min-p: drop tokens below min_p x the most likely token's probability
   7. draw from softmax by inverse CDF, with the request's own generator (seeded requests repeat exactly, whatever
      the batch)
-Stages 3-7 run over each row's CANDIDATES largest logits where the filters keep the row within them (`candidates`;
-then WIDE_CANDIDATES in large vocabularies), else over the whole row (`filter_logits`).
+On the CPU, fp32 rows take stages 3-7 in one native call (nt_sample_rows, where the kernels are built): the row's
+exps and their sums in vector lanes, then, for the filters, the tokens within a factor of the best (widened until
+they hold the filtered row) sorted, cut and drawn from; plain temperature draws in vocabulary order. The torch route
+(CUDA, or no kernels) takes them over each row's CANDIDATES largest logits where the filters keep the row within
+them (`candidates`; then WIDE_CANDIDATES in large vocabularies), else over the whole row (`filter_logits`). Both
+draw the same distribution; a given uniform may land on another token (the order the draw walks differs).
 Log-probabilities are those of the raw model distribution (log_softmax of the unmodified logits).
 """
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nextoken.ops import native
 from nextoken.sampling_params import SamplingParams
 
 
@@ -181,10 +186,12 @@ def argmax(logits: torch.Tensor) -> list[int]:
 
 
 class Sampler:
-    def __init__(self) -> None:
+    def __init__(self, native_draws: bool = True) -> None:
         # Requests without a seed draw from this one; seeded requests carry their own generator.
         self.default_generator = torch.Generator()
         self.default_generator.seed()
+        # fp32 CPU rows draw in one native call (nt_sample_rows: the same stages) where the kernels are built.
+        self.native_draws = native_draws
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """logits [num_rows, vocab] fp32 (one row per entry of `rows`)."""
@@ -199,17 +206,30 @@ class Sampler:
         return SampleResult(token_ids, self._logprobs(raw, rows, token_ids))
 
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
-        out = argmax(logits)
         idx = [i for i, g in enumerate(greedy) if not g]
         sub = take_rows(logits, idx)
         ps = [rows[i].params for i in idx]
-        dev = logits.device
-        params = tuple(torch.tensor([getattr(p, name) for p in ps], device=dev)
-                       for name in ("temperature", "top_k", "top_p", "min_p"))
         # Draws use each request's CPU generator (seeded requests repeat on any device), so the rows come to the CPU:
         # one uniform per row from it, found in the row's cumulative distribution.
         uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator or self.default_generator)
                               for i in idx])
+        lib = native.library() if self.native_draws and sub.device.type == "cpu" and sub.dtype == torch.float32 \
+            else None
+        if lib is not None and sub.stride(-1) == 1:
+            out = [0] * len(rows)
+            greedy_rows = [i for i, g in enumerate(greedy) if g]
+            for i, token in zip(greedy_rows, argmax(take_rows(logits, greedy_rows)) if greedy_rows else []):
+                out[i] = token
+            drawn = native.sample_rows(lib, sub, *([getattr(p, name) for p in ps]
+                                                   for name in ("temperature", "top_k", "top_p", "min_p")),
+                                       uniforms.tolist())
+            for i, token in zip(idx, drawn):
+                out[i] = token
+            return out
+        out = argmax(logits)
+        dev = logits.device
+        params = tuple(torch.tensor([getattr(p, name) for p in ps], device=dev)
+                       for name in ("temperature", "top_k", "top_p", "min_p"))
         _, top_k, top_p, min_p = params
         # Rows whose filtered distribution lies among their largest logits draw from those (then from a wider set
         # for rows the first does not hold); the rest (plain temperature, or a nucleus wider than both) from the

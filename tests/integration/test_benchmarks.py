@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, latency, profile_decode, roofline, throughput
+from benchmarks import common, latency, profile_decode, roofline, sampling, throughput
 from benchmarks.common import TransformersWorker
 from nextoken import LLM
 from tests.conftest import REAL_MODELS
@@ -52,6 +52,11 @@ def test_throughput_runs_a_batch_and_one_by_one(llm: LLM) -> None:
     assert batched.num_output_tokens == 4 * 5 and serial.num_output_tokens == 2 * 5
     assert batched.decode_tok_s and batched.decode_tok_s > 0 and serial.decode_tok_s and serial.decode_tok_s > 0
     assert serial.scaled_wall_s == pytest.approx(serial.wall_s * 2)
+
+
+def test_sampling_times_both_routes() -> None:
+    m = sampling.measure(1000, 2, sampling.SETTINGS["t 0.7, top-p 0.9"], repeats=1)
+    assert set(m) == {"native", "torch"} and all(v > 0 for v in m.values())
 
 
 def test_serve_times_the_server_and_the_engine_alone() -> None:

@@ -24,6 +24,7 @@ from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockLinear, BlockWeight, q4_weight,
                                         q8_codes, q8_weight, regroup, unpack_nibbles)
+from tests.unit.test_sampler import grid_frequencies, reference_distribution
 
 PORTABLE_FLAGS = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx2", "-mno-fma", "-mno-f16c"]
 AVX2_FLAGS = [*native.FLAGS, "-mno-avx512f"]  # the host's build without AVX-512: the int16 route for every product
@@ -664,3 +665,19 @@ def test_prefill_attention_matches_a_float64_softmax(shape: tuple, lib: ctypes.C
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     strided = native.prefill_attention(lib, q.transpose(0, 1).contiguous().transpose(0, 1), k, v, scale, window)
     assert torch.equal(strided, out)
+
+
+@pytest.mark.parametrize("build", ["vectorized", "avx2", "portable"])
+def test_sampled_draws_on_every_build(build: str, lib: ctypes.CDLL, avx2: ctypes.CDLL,
+                                      portable: ctypes.CDLL) -> None:
+    """nt_sample_rows on each route (its exps, sums and candidate gathering by AVX-512, AVX2 or plain C): draws at
+    evenly spaced uniforms land on each token as often as the reference filter's probability."""
+    kernels = {"vectorized": lib, "avx2": avx2, "portable": portable}[build]
+    gen = torch.Generator().manual_seed(17)
+    row = torch.randn(3001, generator=gen) * 3  # not a multiple of 16: the scalar tails too
+    n = 8000
+    for p in ((1.0, 0, 1.0, 0.0), (0.8, 50, 0.9, 0.0), (1.1, 0, 0.95, 0.02)):
+        want = reference_distribution(row.double().numpy(), *p)
+        got = grid_frequencies(kernels, row, p, n)
+        assert got[want == 0].sum() == 0
+        np.testing.assert_allclose(got, want, atol=1.5 / n + 1e-6, err_msg=f"{build} {p}")

@@ -4,6 +4,7 @@ filtered distribution, seeds, and parameter validation."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from scipy import stats
 from nextoken.engine import sampler as sampler_module
 from nextoken.engine.sampler import Sampler, SamplingRow, argmax, filter_logits, inverse_cdf
 from nextoken.errors import InvalidSamplingParams
+from nextoken.ops import native
 from nextoken.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -99,7 +101,8 @@ def test_candidate_rows_hold_the_filtered_distribution(monkeypatch: pytest.Monke
         np.testing.assert_allclose(got, want, atol=1e-6)
 
 
-def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("native_draws", [True, False])
+def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPatch, native_draws: bool) -> None:
     """A seeded request's tokens do not depend on the rows beside it, whether it draws from its candidates, from the
     wider second set, or from its whole row, and whether its batch draws several ways; every draw is a token the
     filters keep."""
@@ -113,7 +116,7 @@ def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPa
     wide = [torch.tensor([v]) for v in (1.0, 0, 0.2, 0.0)]
     assert not sampler_module.candidates(logits[3:], *wide, count=64)[2].item()
     assert sampler_module.candidates(logits[3:], *wide, count=256)[2].item()
-    sampler = Sampler()
+    sampler = Sampler(native_draws)
 
     def draw(which: list[int], seed: int) -> list[int]:
         rows = [SamplingRow(params[i], torch.Generator().manual_seed(seed + i), [], []) for i in which]
@@ -129,11 +132,13 @@ def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPa
             assert want[batched[i]] > 0
 
 
+@pytest.mark.parametrize("native_draws", [True, False])
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.8, 4, 0.9)])
-def test_draws_follow_filtered_distribution(temperature: float, top_k: int, top_p: float) -> None:
-    """20,000 draws; chi-square goodness of fit against the filtered distribution (p > 0.001)."""
+def test_draws_follow_filtered_distribution(temperature: float, top_k: int, top_p: float, native_draws: bool) -> None:
+    """20,000 draws, through the native draw and through torch's; chi-square goodness of fit against the filtered
+    distribution (p > 0.001)."""
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-    sampler = Sampler()
+    sampler = Sampler(native_draws)
     gen = torch.Generator().manual_seed(7)
     n = 20_000
     rows = [SamplingRow(params, gen, [], []) for _ in range(n)]
@@ -208,3 +213,54 @@ def test_repetition_penalty_lowers_seen_tokens() -> None:
 def test_invalid_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(InvalidSamplingParams, match=field):
         SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="the native kernels could not be built here")
+
+
+def grid_frequencies(lib: Any, row: torch.Tensor, p: tuple[float, int, float, float], n: int) -> np.ndarray:
+    """How often each token comes out at n evenly spaced uniforms: the inverse CDF splits [0, 1) into one interval
+    per token, as long as its probability, so each count is n times the probability, within 1."""
+    temperature, top_k, top_p, min_p = p
+    logits = row.expand(n, -1)  # one row read n times (row stride 0)
+    uniforms = ((np.arange(n) + 0.5) / n).tolist()
+    tokens = native.sample_rows(lib, logits, [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n, uniforms)
+    return np.bincount(tokens, minlength=row.shape[0]) / n
+
+
+@needs_native
+@pytest.mark.parametrize("vocab", [3000, 262_144])
+def test_native_draws_follow_the_filtered_distribution(vocab: int) -> None:
+    """nt_sample_rows against the reference filter on peaked and flat rows, for each filter alone and combined
+    (top-p over a top-k, min-p under both, a nucleus past the first candidates): the draws at evenly spaced uniforms
+    land on each token as often as its probability, and never on a token the filters drop."""
+    lib = native.library()
+    gen = torch.Generator().manual_seed(13)
+    peaked = torch.randn(vocab, generator=gen) * 4
+    flat = torch.randn(vocab, generator=gen) * 0.1
+    cases = [(peaked, (1.0, 0, 1.0, 0.0)), (flat, (1.3, 0, 1.0, 0.0)), (peaked, (0.7, 40, 1.0, 0.0)),
+             (peaked, (0.8, 0, 0.9, 0.0)), (flat, (1.0, 0, 0.9, 0.0)), (peaked, (1.0, 0, 1.0, 0.05)),
+             (flat, (1.0, 0, 1.0, 0.9)), (peaked, (1.0, 100, 0.9, 0.0)), (peaked, (1.2, 30, 0.8, 0.1)),
+             (peaked, (1.0, 100, 1.0, 0.5)), (flat, (0.05, 0, 0.4, 0.0)), (peaked, (1.0, 5, 0.5, 0.3))]
+    if vocab > 10_000:  # the same paths; the flat nucleus (a sort of most of the row) only in the small vocabulary
+        cases = [c for c in cases if c[0] is peaked or c[1][3] > 0.5 or c[1][0] < 0.1 or c[1][2] == 1.0]
+    n = 1000 if vocab > 10_000 else 10_000
+    for row, p in cases:
+        want = reference_distribution(row.double().numpy(), *p)
+        got = grid_frequencies(lib, row, p, n)
+        assert got[want == 0].sum() == 0, f"{p}: a token the filters drop"
+        np.testing.assert_allclose(got, want, atol=1.5 / n + 1e-6, err_msg=str(p))
+
+
+@needs_native
+def test_native_draw_edges() -> None:
+    """u = 0 and u just below 1 land on the first and last tokens that can occur (vocabulary order for plain
+    temperature, the filters' order otherwise), and a row whose mass sits on one token draws it."""
+    lib = native.library()
+    row = torch.full((5000,), float("-inf"))  # masked tokens: never drawn
+    row[[7, 1500, 4999]] = torch.tensor([1.0, 2.0, 0.5])
+    both = row.expand(2, -1).contiguous()
+    edges = [0.0, 1 - 1e-12]
+    assert native.sample_rows(lib, both, [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, edges) == [7, 4999]
+    assert native.sample_rows(lib, both, [1.0] * 2, [2] * 2, [1.0] * 2, [0.0] * 2, edges) == [1500, 7]
+    assert native.sample_rows(lib, both, [0.01] * 2, [0] * 2, [0.9] * 2, [0.0] * 2, edges) == [1500, 1500]
