@@ -1,9 +1,5 @@
 """AsyncEngine: one LLMEngine driven by a background thread, for asyncio callers (the HTTP server).
 
-Given an EngineConfig, that thread also builds the LLMEngine, so that every OpenMP parallel region of the process
-starts from one thread: with a second pool of libgomp workers (the loading thread's) a 2-core server's steps ran
-2.5x slower (see nt_release_threads in ops/native/kernels.c).
-
 Invariants: every call into the engine (add, abort, step) happens on the engine thread; callers reach it only through
 a command list guarded by a condition variable, processed between steps. The thread steps while any request is
 unfinished and otherwise sleeps on the condition (no busy loop). Each caller's requests report to one asyncio.Queue
@@ -22,7 +18,6 @@ import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from nextoken.config import EngineConfig
 from nextoken.engine.engine import EngineBusy, LLMEngine
 from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
@@ -130,18 +125,8 @@ class RequestStream:
 class AsyncEngine:
     """An LLMEngine on its own thread: `add` / `generate` from asyncio, `abort`, `stats`, `shutdown`."""
 
-    def __init__(self, engine: LLMEngine | EngineConfig) -> None:
-        """`engine`: an LLMEngine, or the EngineConfig to build one from on the engine thread (see the module's
-        docstring; a failed build raises here). The thread steps it from `start()` on."""
-        self._go = threading.Event()  # set by start(), or by shutdown() to end a thread that built but never stepped
-        built: concurrent.futures.Future[LLMEngine] = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(engine, built), name="nextoken-engine", daemon=True)
-        self._launched = not isinstance(engine, LLMEngine)
-        if self._launched:
-            self._thread.start()
-        else:
-            built.set_result(engine)
-        self.engine = built.result()
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
         self._cond = threading.Condition()
         self._commands: list[_Group | _Abort] = []  # guarded by _cond
         self._stop_thread = False  # guarded by _cond
@@ -149,15 +134,13 @@ class AsyncEngine:
         self._admitting = True
         self._owners: dict[str, tuple[_Group, int]] = {}  # engine thread only: request id -> (group, index)
         self._num_steps = 0
-        self.stats = EngineStats(num_kv_blocks_total=self.engine.block_manager.num_blocks)
+        self.stats = EngineStats(num_kv_blocks_total=engine.block_manager.num_blocks)
+        self._thread = threading.Thread(target=self._run, name="nextoken-engine", daemon=True)
 
     # --- caller side (any thread, usually the event loop's) ---------------------------------------------------
 
     def start(self) -> None:
-        self._go.set()
-        if not self._launched:
-            self._launched = True
-            self._thread.start()
+        self._thread.start()
 
     @property
     def is_admitting(self) -> bool:
@@ -165,8 +148,8 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        """The engine thread is stepping (False before start, after shutdown, or if its loop died)."""
-        return self._go.is_set() and self._thread.is_alive()
+        """The engine thread is alive (False before start, after shutdown, or if its loop died)."""
+        return self._thread.is_alive()
 
     async def add(self, requests: Sequence[SubRequest]) -> RequestStream:
         """Admit several requests as one unit and return the stream of their outputs.
@@ -210,7 +193,6 @@ class AsyncEngine:
         with self._cond:
             self._stop_thread = True
             self._cond.notify()
-        self._go.set()  # a thread never started sees the stop and ends
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join)
 
@@ -226,14 +208,7 @@ class AsyncEngine:
 
     # --- engine thread ----------------------------------------------------------------------------------------
 
-    def _run(self, engine: LLMEngine | EngineConfig, built: concurrent.futures.Future[LLMEngine]) -> None:
-        if not isinstance(engine, LLMEngine):
-            try:
-                built.set_result(LLMEngine(engine))
-            except BaseException as exc:  # raised to the constructor's caller
-                built.set_exception(exc)
-                return
-        self._go.wait()
+    def _run(self) -> None:
         try:
             self._loop()
         except BaseException as exc:  # a bug in this loop: fail every caller rather than leave them waiting forever

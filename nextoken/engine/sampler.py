@@ -213,20 +213,16 @@ class Sampler:
         # one uniform per row from it, found in the row's cumulative distribution.
         uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator or self.default_generator)
                               for i in idx])
+        out = argmax(logits) if len(idx) < len(rows) else [0] * len(rows)  # the greedy rows' tokens
         lib = native.library() if self.native_draws and sub.device.type == "cpu" and sub.dtype == torch.float32 \
             else None
-        if lib is not None and sub.stride(-1) == 1:
-            out = [0] * len(rows)
-            greedy_rows = [i for i, g in enumerate(greedy) if g]
-            for i, token in zip(greedy_rows, argmax(take_rows(logits, greedy_rows)) if greedy_rows else []):
-                out[i] = token
+        if lib is not None:
             drawn = native.sample_rows(lib, sub, *([getattr(p, name) for p in ps]
                                                    for name in ("temperature", "top_k", "top_p", "min_p")),
                                        uniforms.tolist())
             for i, token in zip(idx, drawn):
                 out[i] = token
             return out
-        out = argmax(logits)
         dev = logits.device
         params = tuple(torch.tensor([getattr(p, name) for p in ps], device=dev)
                        for name in ("temperature", "top_k", "top_p", "min_p"))

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE),
 /tokenize, /detokenize, /health, /metrics.
 
-`create_app` has an AsyncEngine load the model on the thread that steps it, for the app's lifespan.
+`create_app` loads the model and wraps its LLMEngine in an AsyncEngine whose thread runs for the app's lifespan.
 Invariants: every error is an OpenAI error object with the right status and no traceback or path; a request whose
 client goes away is aborted (its KV blocks are free after the next engine pass); the served model answers to its
 registry name and to the id /v1/models lists, any other name is a 404; after `drain` (SIGTERM) every POST is a 503.
@@ -64,12 +64,11 @@ class ServerState:
 def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engine: LLMEngine | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """The app for one model. `engine`: an LLMEngine already built from `engine_config` (tests share one)."""
-    async_engine = AsyncEngine(engine if engine is not None else engine_config)  # built on the thread that steps it
-    llm_engine = async_engine.engine
+    llm_engine = engine if engine is not None else LLMEngine(engine_config)
     names = {llm_engine.model_name}
     if engine_config.model in REGISTRY:
         names.add(engine_config.model)
-    state = ServerState(llm_engine, async_engine, ServerMetrics(), frozenset(names))
+    state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

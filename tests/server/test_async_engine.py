@@ -1,12 +1,10 @@
 """AsyncEngine in-process on the tiny model: outputs equal the plain engine's, consumers that leave abort their
 requests, add errors reach the caller, a failing request fails alone, a failing step fails only its batch, the
-idle thread sleeps, shutdown drains within its deadline, and an engine built from a config is built on the thread
-that steps it."""
+idle thread sleeps, and shutdown drains within its deadline."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
@@ -18,7 +16,7 @@ from nextoken import LLM
 from nextoken.config import EngineConfig
 from nextoken.engine.async_engine import AsyncEngine, EngineBusy, EngineFailure, EngineStopped, SubRequest
 from nextoken.engine.engine import LLMEngine
-from nextoken.errors import NextokenError, PromptTooLong
+from nextoken.errors import PromptTooLong
 from nextoken.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -216,43 +214,3 @@ def test_idle_engine_applies_the_huge_page_move(tiny_llama: Path) -> None:
 
     _run(engine, body)
 
-
-def test_built_from_a_config_on_the_thread_that_steps_it(tiny_llama: Path, alone: dict[str, list[int]],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine is built on the engine thread (every OpenMP region from one thread), a failed build raises in
-    the caller, and a built engine never started ends on shutdown."""
-    threads: dict[str, set[int]] = {"built": set(), "stepped": set()}
-    init, step = LLMEngine.__init__, LLMEngine.step
-
-    def recording_init(self: LLMEngine, config: EngineConfig) -> None:
-        threads["built"].add(threading.get_ident())
-        init(self, config)
-
-    def recording_step(self: LLMEngine) -> Any:
-        threads["stepped"].add(threading.get_ident())
-        return step(self)
-
-    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
-    monkeypatch.setattr(LLMEngine, "step", recording_step)
-    config = EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=4 << 20)
-
-    async def main() -> None:
-        async_engine = AsyncEngine(config)
-        assert not async_engine.is_running
-        async_engine.start()
-        try:
-            engine = async_engine.engine
-            tokens = await _tokens(async_engine.generate(engine.tokenizer.encode(PROMPTS[0]), GREEDY, "r"))
-            assert tokens == alone[PROMPTS[0]]
-        finally:
-            await async_engine.shutdown(0)
-        assert threads["built"] == threads["stepped"] == {async_engine._thread.ident}
-        assert threading.get_ident() not in threads["built"]
-
-        idle = AsyncEngine(config)  # built, never started
-        await idle.shutdown(0)
-        assert not idle._thread.is_alive()
-
-    asyncio.run(main())
-    with pytest.raises(NextokenError, match="no-such-model"):
-        AsyncEngine(EngineConfig(model="no-such-model", device="cpu"))

@@ -64,6 +64,14 @@ def run(body: Any) -> None:
     asyncio.run(body())
 
 
+async def started(client: Client, events: Events, sent: int) -> asyncio.Task[None]:
+    """The response under way, once `sent` events have gone out."""
+    response = asyncio.ensure_future(EventStream(events())({}, client.receive, client.send))
+    while len(client.bodies) < sent:
+        await asyncio.sleep(0.001)
+    return response
+
+
 def test_every_event_is_sent_then_the_end() -> None:
     async def body() -> None:
         client, events = Client(), Events(500)
@@ -76,9 +84,7 @@ def test_every_event_is_sent_then_the_end() -> None:
 def test_leaving_while_the_next_event_is_awaited_ends_quietly() -> None:
     async def body() -> None:
         client, events = Client(), Events(3, then_wait=True)
-        response = asyncio.ensure_future(EventStream(events())({}, client.receive, client.send))
-        while len(client.bodies) < 3:
-            await asyncio.sleep(0.001)
+        response = await started(client, events, 3)
         client.leave()
         await asyncio.wait_for(response, 5)  # returns, no CancelledError
         assert events.closed and not client.ended and not response.cancelled()
@@ -90,9 +96,7 @@ def test_leaving_while_the_next_event_is_awaited_ends_quietly() -> None:
 def test_leaving_while_a_send_blocks_ends_quietly() -> None:
     async def body() -> None:
         client, events = Client(), Events(1000)
-        response = asyncio.ensure_future(EventStream(events())({}, client.receive, client.send))
-        while len(client.bodies) < 10:
-            await asyncio.sleep(0.001)
+        response = await started(client, events, 10)
         client.blocked.clear()  # the socket is full
         await asyncio.sleep(0.01)
         client.leave()
@@ -107,9 +111,7 @@ def test_a_client_that_stops_reading_is_given_up(monkeypatch: pytest.MonkeyPatch
 
     async def body() -> None:
         client, events = Client(), Events(1000)
-        response = asyncio.ensure_future(EventStream(events())({}, client.receive, client.send))
-        while len(client.bodies) < 10:
-            await asyncio.sleep(0.001)
+        response = await started(client, events, 10)
         client.blocked.clear()  # never read again, never disconnects
         await asyncio.wait_for(response, 5)
         assert events.closed and len(client.bodies) < 1000 and not client.ended
@@ -120,9 +122,7 @@ def test_a_client_that_stops_reading_is_given_up(monkeypatch: pytest.MonkeyPatch
 def test_a_cancellation_from_elsewhere_propagates() -> None:
     async def body() -> None:
         client, events = Client(), Events(2, then_wait=True)
-        response = asyncio.ensure_future(EventStream(events())({}, client.receive, client.send))
-        while len(client.bodies) < 2:
-            await asyncio.sleep(0.001)
+        response = await started(client, events, 2)
         response.cancel()
         with pytest.raises(asyncio.CancelledError):
             await response

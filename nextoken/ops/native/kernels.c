@@ -2377,14 +2377,13 @@ static int64_t sample_row(const float *l, int64_t n, float temperature, int64_t 
     }
     if (by_min) /* below min_p times the best: at the end of the order */
         while (keep > 1 && cand[keep - 1].s < min_p * cand[0].s) keep--;
-    float *w = e; /* the kept weights in order, over the row's buffer */
-    for (int64_t j = 0; j < keep; j++) w[j] = cand[j].s;
+    float *w = e; /* the kept weights in order, over the row's buffer, and their block sums */
     double total = 0.0;
-    for (int64_t b0 = 0; b0 < keep; b0 += SAMPLE_BLOCK) {
-        double sum = 0.0;
-        for (int64_t j = b0; j < keep && j < b0 + SAMPLE_BLOCK; j++) sum += w[j];
-        sums[b0 / SAMPLE_BLOCK] = sum;
-        total += sum;
+    for (int64_t j = 0; j < keep; j++) {
+        if (j % SAMPLE_BLOCK == 0) sums[j / SAMPLE_BLOCK] = 0.0;
+        w[j] = cand[j].s;
+        sums[j / SAMPLE_BLOCK] += w[j];
+        total += w[j];
     }
     return cand[draw_index(w, keep, sums, total, u)].id;
 }
