@@ -21,6 +21,7 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import Linear, RMSNorm
+from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
                                        block_only_types, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
@@ -55,6 +56,11 @@ class CausalLM(nn.Module):
         if self.quantized_head is not None:
             return self.quantized_head(hidden, out)
         weight = self.head_weight
+        lib = native.library()
+        if native.repeatable(lib, hidden, weight):  # the same bits on any thread count (Linear)
+            rows = hidden.shape[0]
+            fits = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape[0] >= rows
+            return native.matmul_rowmajor(lib, hidden.contiguous(), weight, out[:rows] if fits else None)
         if out is not None and weight.dtype == hidden.dtype == out.dtype and weight.device == out.device:
             return torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])
         return torch.nn.functional.linear(hidden, weight).float()

@@ -19,16 +19,23 @@ from nextoken.ops.attention import AttentionMetadata, paged_attention
 
 class Linear(nn.Linear):
     """A bias-free projection whose weight may be stored in a lower precision than the activations (bf16 weights,
-    fp32 residual stream): the input is cast to the weight's dtype for the matmul and the result cast back."""
+    fp32 residual stream): the input is cast to the weight's dtype for the matmul and the result cast back.
+
+    fp32 products on the CPU go through the native row-major kernel (ops/native matmul_rowmajor) where it is built:
+    each output is one fixed sequence of multiply-adds, so a run repeats bit for bit whatever the thread count or the
+    batch, which torch's BLAS does not promise (its split of the sum follows the thread count for some shapes)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        self.lib = native.library()
 
     def reset_parameters(self) -> None:
         """No random init: every weight comes from the file. (On the meta device torch's init runs through its
         decompositions, whose first use imports torch._dynamo: 3 s of a fresh process's model load.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if native.repeatable(self.lib, x, self.weight):
+            return native.matmul_rowmajor(self.lib, x if x.stride(-1) == 1 else x.contiguous(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
 

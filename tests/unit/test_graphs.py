@@ -72,7 +72,11 @@ def test_padded_static_step_matches_the_model(arch: str, kv_dtype: str, device: 
         batch = ForwardBatch(tokens, positions, meta, torch.arange(n, device=dev), list(range(n)), [None] * n)
         got = graphs.run(batch)
         assert got is not None and got.shape == expected.shape
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        # The two attend differently (masked SDPA, the native kernel), so later layers' new K/V differ in their last
+        # bits, and a narrow cache may round one of them to its neighbour: one bf16 step moves a tiny model's logits
+        # by up to about 1e-3.
+        tol = 1e-4 if kv_dtype == "fp32" else 2e-3
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
         for mine, other in zip(pool.layers, twin.layers):
             for name in ("k", "v", "k_scale", "v_scale"):
                 if getattr(mine, name) is not None:  # every real block as the normal path left it (layers past

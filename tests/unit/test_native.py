@@ -323,8 +323,11 @@ def test_row_kernels_split_across_threads_give_the_one_thread_result(rows: int, 
                 assert native.ACTIVATIONS[name] == activation
                 got = native.gated_rows(lib, activation, gate_up)
                 assert torch.equal(got, native.gated(lib, activation, gate_up[:, :80], gate_up[:, 80:]))
+                # against the formulas in float64: torch's fp32 tanh form rounds 1 + tanh(t) to 0 for very negative
+                # inputs, where the kernels' sigmoid form keeps the tiny true value
                 module = F.silu if activation == 0 else (lambda t: F.gelu(t, approximate="tanh"))
-                torch.testing.assert_close(got, module(gate_up[:, :80]) * gate_up[:, 80:], rtol=1e-5, atol=1e-6)
+                expected = module(gate_up[:, :80].double()) * gate_up[:, 80:].double()
+                torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-6)
         finally:
             torch.set_num_threads(2)
     with pytest.raises(ValueError, match="rows of gate and up"):
@@ -598,7 +601,7 @@ def test_decode_attention_kernels_agree(kv_dtype: str, lib: ctypes.CDLL, avx2: c
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, block = 6, 2, 16
     for head_dim in ((64, 96) if kv_dtype == "int8" else (64, 96, 40)):
-        lens = [1, 15, 16, 17, 40, 100]
+        lens = [1, 15, 16, 17, 40, 100, 600]  # 600: three parts, merged
         num_blocks = sum(-(-n // block) for n in lens) + 3
         k = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
         v = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
@@ -681,3 +684,62 @@ def test_sampled_draws_on_every_build(build: str, lib: ctypes.CDLL, avx2: ctypes
         got = grid_frequencies(kernels, row, p, n)
         assert got[want == 0].sum() == 0
         np.testing.assert_allclose(got, want, atol=1.5 / n + 1e-6, err_msg=f"{build} {p}")
+
+
+def test_rowmajor_products_are_the_same_bits_everywhere(lib: ctypes.CDLL, avx2: ctypes.CDLL,
+                                                        portable: ctypes.CDLL) -> None:
+    """The fp32 route's products (matmul_rowmajor): within fp32 rounding of a float64 product, and the same bits
+    for any thread count, for a row alone or in any batch, on every build (portable, AVX2, the host's): a run
+    repeats exactly. Input sizes past whole vectors of 8, output counts past whole tiles, rows of any stride."""
+    gen = torch.Generator().manual_seed(11)
+    for n, k in ((1, 7), (5, 32), (33, 100), (640, 2048)):
+        w = torch.randn(n, k + 2, generator=gen)[:, 1:1 + k]  # rows with a stride of their own
+        x = torch.randn(9, k, generator=gen)
+        expected = x.double() @ w.double().t()
+        reference = native.matmul_rowmajor(portable, x, w)
+        bound = 1e-6 * (x.abs().double() @ w.abs().double().t()) + 1e-7
+        assert ((reference.double() - expected).abs() <= bound).all(), (n, k)
+        for kernels in (lib, avx2, portable):
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                try:
+                    assert torch.equal(native.matmul_rowmajor(kernels, x, w), reference), (n, k, threads)
+                    for rows in (slice(0, 1), slice(3, 4), slice(2, 7)):
+                        assert torch.equal(native.matmul_rowmajor(kernels, x[rows], w), reference[rows])
+                finally:
+                    torch.set_num_threads(2)
+    with pytest.raises(ValueError, match="does not meet"):
+        native.matmul_rowmajor(lib, torch.randn(2, 8), torch.randn(3, 9))
+
+
+def test_decode_attention_is_the_same_bits_for_any_threads_and_batch(lib: ctypes.CDLL) -> None:
+    """A sequence's decode attention does not depend on the thread count or on the other sequences of its batch:
+    contexts split in parts (long ones), shared out by heads (short ones at small batches), or whole."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, block = 4, 2, 64, 16
+    lens = [3, 40, 300, 700, 1500]
+    width = max(-(-n // block) for n in lens)
+    num_blocks = width * len(lens)
+    k = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_blocks, block, kv_heads, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen).reshape(len(lens), width)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen)
+
+    def attend(seqs: list[int], threads: int, window: int | None) -> torch.Tensor:
+        out = torch.full((len(seqs), heads, head_dim), float("nan"))
+        index = torch.tensor(seqs)
+        torch.set_num_threads(threads)
+        try:
+            native.decode_attention(lib, q[index].contiguous(), out, torch.arange(len(seqs)),
+                                    torch.tensor([lens[s] for s in seqs]), tables, index, k, v, None, None,
+                                    1 / math.sqrt(head_dim), window)
+        finally:
+            torch.set_num_threads(2)
+        return out
+
+    for window in (None, 512):
+        batch = attend(list(range(len(lens))), 2, window)
+        for threads in (1, 2, 3):
+            assert torch.equal(attend(list(range(len(lens))), threads, window), batch), threads
+            for s in range(len(lens)):
+                assert torch.equal(attend([s], threads, window)[0], batch[s]), (s, threads, window)

@@ -205,6 +205,36 @@ def sgemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, out: 
                  torch.get_num_threads())
 
 
+_SIGNATURES["nt_matmul_rowmajor"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32])
+
+
+def repeatable(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x @ weight^T runs on matmul_rowmajor: fp32 CPU rows and a row-major fp32 CPU weight, the kernels
+    built."""
+    return (lib is not None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.device.type == "cpu" and x.dim() == 2 and weight.stride(-1) == 1)
+
+
+def matmul_rowmajor(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """x [M, K] fp32 @ weight^T for a row-major fp32 weight [N, K] (rows of any stride, unit column stride), into
+    `out` ([M, N], unit column stride) where given: every output the same bits whatever the thread count, the batch
+    around its row or the instruction set (nt_matmul_rowmajor)."""
+    _check(x)
+    _check(weight)
+    rows, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"matmul_rowmajor: x {tuple(x.shape)} does not meet a weight {tuple(weight.shape)}")
+    if out is None:
+        out = torch.empty(rows, n)
+    elif out.shape != (rows, n) or out.stride(-1) != 1 or out.dtype != torch.float32:
+        raise ValueError(f"matmul_rowmajor: out {tuple(out.shape)} does not fit [{rows}, {n}] fp32")
+    lib.nt_matmul_rowmajor(x.data_ptr(), rows, k, x.stride(0), weight.data_ptr(), n, weight.stride(0),
+                           out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
+
+
 _SIGNATURES["nt_gated"] = (None, [_i64, _ptr, _ptr, _ptr, _i64])
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated kernels' activation codes
 

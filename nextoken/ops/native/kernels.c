@@ -743,6 +743,74 @@ void nt_sgemm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *pa
                       N - p * SG_COLS < SG_COLS ? N - p * SG_COLS : SG_COLS);
 }
 
+/* ------------------------------------------------- fp32 products, row-major weight */
+
+/* out [M, N] = x [M, K] @ w^T for a row-major fp32 w [N, K] (row stride ldw), every output as one fixed sequence of
+ * operations: products k = l, l + 8, l + 16, ... multiply-added in order into lane l (fused, one rounding each), the
+ * tail past the last whole 8 into lanes 0.. the same way, then the 8 lanes summed as ((0 + 4) + (2 + 6)) + ((1 + 5)
+ * + (3 + 7)). Which rows share a tile, how the threads split the outputs (whole weight rows each) and which
+ * instruction set runs it change nothing: the result is the same bits for any thread count, any batch the row sits
+ * in, and on every build (the portable one through fmaf). That is what makes the fp32 route repeatable, which a
+ * vendor BLAS does not promise (its split of K may follow the thread count, and its kernels the data's alignment).
+ * Tiles of 4 rows by 2 weight rows: 8 accumulators, 6 loads per 8 multiply-adds. */
+#define RM_ROWS 4
+#define RM_COLS 2
+
+static inline float lanes_sum(const float l[8]) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
+
+static void rowmajor_tile(const float *const *a, int64_t nr, const float *const *w, int64_t nc, int64_t K,
+                          float *const *c) {
+    float acc[RM_ROWS][RM_COLS][8];
+    int64_t k = 0;
+#ifdef NT_AVX2
+    __m256 v[RM_ROWS][RM_COLS];
+    for (int i = 0; i < RM_ROWS; i++)
+        for (int j = 0; j < RM_COLS; j++) v[i][j] = _mm256_setzero_ps();
+    for (; k + 8 <= K; k += 8) {
+        __m256 b[RM_COLS];
+        for (int j = 0; j < RM_COLS; j++) b[j] = _mm256_loadu_ps(w[j] + k);
+        for (int i = 0; i < RM_ROWS; i++) {
+            const __m256 x = _mm256_loadu_ps(a[i] + k);
+            for (int j = 0; j < RM_COLS; j++) v[i][j] = _mm256_fmadd_ps(x, b[j], v[i][j]);
+        }
+    }
+    for (int i = 0; i < RM_ROWS; i++)
+        for (int j = 0; j < RM_COLS; j++) _mm256_storeu_ps(acc[i][j], v[i][j]);
+#else
+    memset(acc, 0, sizeof(acc));
+    for (; k + 8 <= K; k += 8)
+        for (int i = 0; i < RM_ROWS; i++)
+            for (int j = 0; j < RM_COLS; j++)
+                for (int l = 0; l < 8; l++) acc[i][j][l] = fmaf(a[i][k + l], w[j][k + l], acc[i][j][l]);
+#endif
+    for (int64_t l = 0; k + l < K; l++)
+        for (int i = 0; i < RM_ROWS; i++)
+            for (int j = 0; j < RM_COLS; j++) acc[i][j][l] = fmaf(a[i][k + l], w[j][k + l], acc[i][j][l]);
+    for (int64_t i = 0; i < nr; i++)
+        for (int64_t j = 0; j < nc; j++) c[i][j] = lanes_sum(acc[i][j]);
+}
+
+void nt_matmul_rowmajor(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N, int64_t ldw,
+                        float *out, int64_t ldo, int threads) {
+    const int64_t pairs = (N + RM_COLS - 1) / RM_COLS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && pairs > 1 && M * N * K > 65536)
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t n0 = p * RM_COLS, nc = N - n0 < RM_COLS ? N - n0 : RM_COLS;
+        const float *wr[RM_COLS];
+        for (int j = 0; j < RM_COLS; j++) wr[j] = w + (n0 + (j < nc ? j : 0)) * ldw; /* repeated: not stored */
+        for (int64_t r0 = 0; r0 < M; r0 += RM_ROWS) {
+            const int64_t nr = M - r0 < RM_ROWS ? M - r0 : RM_ROWS;
+            const float *a[RM_ROWS];
+            float *c[RM_ROWS];
+            for (int i = 0; i < RM_ROWS; i++) {
+                a[i] = x + (r0 + (i < nr ? i : 0)) * ldx;
+                c[i] = out + (r0 + (i < nr ? i : 0)) * ldo + n0;
+            }
+            rowmajor_tile(a, nr, wr, nc, K, c);
+        }
+    }
+}
+
 /* Row n of a block-quantized weight (kind 4, 8 or 6; see nt_block_matmul) as fp32: d * q (+ m). */
 static void dequantize_row(int kind, const void *qs, const void *wd, const uint16_t *wm, int64_t n, int64_t K,
                            float *dst) {
@@ -1775,34 +1843,40 @@ static void attend(const float *q, float *out, float *max, float *sum, int64_t h
     }
 }
 
-/* Positions per part when one sequence's context is split across threads (fewer sequences than threads). */
-#define SPLIT_MIN 128
-/* Positions from which a context too short to split is shared between threads by its query heads instead. */
+/* A context is attended in parts of about SPLIT_LEN positions (at most MAX_SPLIT parts), merged by their softmax
+ * maxima and sums (as flash-decoding does), so that one long sequence keeps every thread busy. */
+#define SPLIT_LEN 256
+#define MAX_SPLIT 16
+/* Positions from which a context of one part is shared between threads by its query heads instead. */
 #define HEAD_SPLIT_MIN 16
+
+/* How many parts a context of `span` positions is attended in: a function of the span alone, never of the thread
+ * count or of the other sequences in the batch, so that a sequence's output is the same bits however many threads
+ * run and whatever else is batched with it. */
+static inline int64_t context_parts(int64_t span) {
+    const int64_t parts = (span + SPLIT_LEN - 1) / SPLIT_LEN;
+    return parts < 1 ? 1 : parts > MAX_SPLIT ? MAX_SPLIT : parts;
+}
 
 /* One new query token per listed sequence, attending over that sequence's cached tokens (its own K/V included):
  * out[rows[i], h] = softmax(scale * q[rows[i], h] . K^T) V over positions [max(0, len - window), len) of sequence i,
  * whose blocks are tables[table_rows[i] * table_stride + ...] (rows, table_rows: NULL for 0, 1, 2, ...). Query
  * heads map to kv heads in groups (GQA). q and out are [tokens, heads, head_dim] fp32. head_dim must be a multiple
- * of 32 for int8 caches. With fewer sequences than threads, each context is split into parts attended on their own
- * and merged by their softmax maxima and sums (as flash-decoding does), so a single sequence uses every thread; a
- * context shorter than two parts is shared out by its query heads instead (no merge). */
+ * of 32 for int8 caches. A context longer than SPLIT_LEN is split into parts (context_parts) attended on their own
+ * and merged; where every context is one part and there are fewer sequences than threads, a context is shared out
+ * by its query heads instead (each head is computed whole either way). */
 static int decode_attention(const float *q, float *out, int64_t n, const int64_t *rows, const int64_t *seq_lens,
                             const int64_t *tables, const int64_t *table_rows, int64_t table_stride,
                             const nt_cache *c, int64_t heads, int64_t kv_heads, int64_t D, float scale,
                             int64_t window, int threads) {
     if (c->kind == 2 && D % QK) return -1;
-    /* parts per sequence: one per thread where there are fewer sequences than threads, but none under SPLIT_MIN
-     * positions (a short context is not worth a second thread and a merge) */
-    int64_t parts = 1, groups = 1; /* groups: of query heads per part */
-    if (n < threads) {
-        int64_t longest = 0;
-        for (int64_t i = 0; i < n; i++) longest = seq_lens[i] > longest ? seq_lens[i] : longest;
-        if (window > 0 && longest > window) longest = window;
-        parts = (longest + SPLIT_MIN - 1) / SPLIT_MIN;
-        parts = parts < 1 ? 1 : parts > threads ? threads : parts;
-        if (parts == 1 && longest >= HEAD_SPLIT_MIN) groups = threads / n < heads ? threads / n : heads;
+    int64_t parts = 1, groups = 1, longest = 0; /* parts: the most of any sequence; groups: of query heads */
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t span = window > 0 && seq_lens[i] > window ? window : seq_lens[i];
+        const int64_t own = context_parts(span);
+        parts = own > parts ? own : parts, longest = span > longest ? span : longest;
     }
+    if (parts == 1 && n < threads && longest >= HEAD_SPLIT_MIN) groups = threads / n < heads ? threads / n : heads;
     const int64_t rep = heads / kv_heads;
     /* per (sequence, part): heads * D outputs, heads maxima and sums */
     float *partial = parts > 1 ? malloc((size_t)(n * parts * heads * (D + 2)) * sizeof(float)) : NULL;
@@ -1815,10 +1889,10 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
         const int64_t len = seq_lens[i];
         const int64_t start = window > 0 && len > window ? len - window : 0;
         int64_t first = start, last = len;
-        if (parts > 1) { /* this part's share, in whole SPLIT_MIN runs; later parts may be empty */
-            int64_t share = (len - start + parts - 1) / parts;
-            share = share < SPLIT_MIN ? SPLIT_MIN : share;
-            first = start + part * share < len ? start + part * share : len;
+        if (parts > 1) { /* this sequence's own parts (context_parts); the grid's others are empty */
+            const int64_t own = context_parts(len - start), share = (len - start + own - 1) / own;
+            first = part < own ? start + part * share : len;
+            first = first < len ? first : len;
             last = first + share < len ? first + share : len;
         }
         const int64_t at = (rows ? rows[i] : i) * heads * D, count = last - first;
