@@ -1,6 +1,8 @@
 """SamplingParams: how one request turns logits into tokens and when it stops, validated once at the edge.
 
-temperature 0 means greedy. Stage order (see engine/sampler.py): penalties, temperature, top-k, top-p, min-p, draw.
+temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (1e-5, vLLM's choice): at such a
+temperature the draw is the argmax anyway wherever two logits differ by more than a ten-thousandth, and the
+logits divided by it (or its reciprocal) would overflow fp32 from about 3e-39 down. Stage order (see engine/sampler.py): penalties, temperature, top-k, top-p, min-p, draw.
 Every invalid value raises InvalidSamplingParams naming the parameter and its valid range.
 """
 
@@ -15,6 +17,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_N = 16
 MAX_LOGPROBS = 20
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module's docstring)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -187,6 +187,21 @@ def test_greedy_is_argmax_and_seeds_repeat() -> None:
     assert draw(5) != draw(6)
 
 
+@pytest.mark.parametrize("native_draws", [True, False])
+@pytest.mark.parametrize("temperature", [5e-324, 1e-45, 2e-39, 1e-30, 9e-6])
+def test_tiny_temperatures_are_greedy(temperature: float, native_draws: bool) -> None:
+    """A positive temperature too small for fp32 (its reciprocal overflows from about 3e-39 down; the native
+    sampler once answered token 0 for every row) samples greedily on every route, penalties and filters included."""
+    sampler = Sampler(native_draws=native_draws)
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(1)) * 4
+    for params in (SamplingParams(temperature=temperature, seed=1),
+                   SamplingParams(temperature=temperature, top_k=5, top_p=0.9, min_p=0.1, seed=1)):
+        assert params.is_greedy
+        rows = [SamplingRow(params, torch.Generator().manual_seed(i), [], []) for i in range(3)]
+        assert sampler(logits, rows).token_ids == logits.argmax(-1).tolist()
+    assert not SamplingParams(temperature=1e-5).is_greedy
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_argmax_takes_the_first_best_as_torch_does(dtype: torch.dtype) -> None:
     """Ties go to the first, a NaN wins (as torch's argmax has it), strided rows work, bf16 rows stay in torch."""
