@@ -340,38 +340,61 @@ class ChatTemplate:
         """The prompt plus the character spans that hold message contents (untrusted text, in which special-token
         strings must stay plain text when encoded).
 
-        Contents are located by rendering once more with a unique marker as each content; where the template
-        transforms contents so that the markers cannot be mapped back, each content is searched in order instead.
+        Contents are located by rendering once more with a unique marker in each content's place, the content's
+        own leading and trailing whitespace kept around it (so that a template that trims contents trims the
+        whitespace in both renderings alike). The marked rendering's text between markers is the template's own:
+        the prompt must be that text with each marker replaced by the content as the template left it (whole,
+        stripped on either side, or both), each at the very place its marker stands, never matched elsewhere. Where
+        a template changes contents past recognition, everything from that content's place to the end of the
+        prompt's last template text is taken as untrusted: a user's text never becomes a control token, even if
+        the template's own tokens after it then do not either.
         """
         text = self.render(messages, add_generation_prompt=add_generation_prompt, **extra)
         normalized = _normalize(messages)
-        contents = [m["content"] if isinstance(m["content"], str) else "" for m in normalized]
-        marked = [{**m, "content": f"\ue000{i}\ue001"} if isinstance(m["content"], str) else m
-                  for i, m in enumerate(normalized)]
-        spans: list[tuple[int, int]] = []
+        contents = [m["content"] if isinstance(m["content"], str) else None for m in normalized]
+        marked = []
+        for i, m in enumerate(normalized):
+            content = contents[i]
+            if content is None:
+                marked.append(m)
+                continue
+            core = content.strip()
+            lead, trail = content[:len(content) - len(content.lstrip())], content[len(content.rstrip()):]
+            marked.append({**m, "content": f"{lead}\ue000{i}\ue001{trail}" if core else content})
         try:
             skeleton = self.render(marked, add_generation_prompt=add_generation_prompt, **extra)
         except TemplateError:
             skeleton = ""
-        rebuilt, pos = [], 0
-        for part in _MARKER.split(skeleton):
-            if part.startswith("\ue000") and part.endswith("\ue001"):
-                content = contents[int(part[1:-1])]
-                spans.append((pos, pos + len(content)))
-                part = content
-            rebuilt.append(part)
-            pos += len(part)
-        if "".join(rebuilt) == text:
-            return text, [s for s in spans if s[0] < s[1]]
-        spans, pos = [], 0
-        for content in contents:
-            for candidate in (content, content.strip()):
-                idx = text.find(candidate, pos) if candidate else -1
-                if idx != -1:
-                    spans.append((idx, idx + len(candidate)))
-                    pos = idx + len(candidate)
-                    break
-        return text, spans
+        pieces = _MARKER.split(skeleton) if skeleton else []
+        spans = _locate(text, pieces, contents) if pieces else None
+        if spans is None:  # no usable skeleton: the whole prompt is untrusted but for nothing
+            return text, [(0, len(text))] if any(c for c in contents) else []
+        return text, [s for s in spans if s[0] < s[1]]
+
+
+def _locate(text: str, pieces: list[str], contents: list[str | None]) -> list[tuple[int, int]] | None:
+    """Spans of the contents in `text`, given the marked rendering split at its markers (`pieces`: template text,
+    marker, template text, ...). Each content is taken at its marker's place only: the template text before it must
+    match there, then one of the content's forms, then the template text after it. Where none fits, the rest of the
+    prompt (up to its final template text, when the prompt ends with that) is one untrusted span. None where even the
+    first template text does not match (the template renders differently each time)."""
+    if not text.startswith(pieces[0]):
+        return None
+    spans, pos = [], len(pieces[0])
+    for k in range(1, len(pieces), 2):
+        content = contents[int(pieces[k][1:-1])] or ""
+        after = pieces[k + 1]
+        forms = dict.fromkeys((content.strip(), content, content.lstrip(), content.rstrip()))
+        found = next((f for f in forms if text.startswith(f, pos) and text.startswith(after, pos + len(f))), None)
+        if found is None:
+            tail = pieces[-1]
+            stop = len(text) - len(tail) if tail and text.endswith(tail) and len(text) - len(tail) >= pos \
+                else len(text)
+            spans.append((pos, stop))
+            return spans
+        spans.append((pos, pos + len(found)))
+        pos += len(found) + len(after)
+    return spans
 
 
 _MARKER = re.compile("(\ue000\\d+\ue001)")
