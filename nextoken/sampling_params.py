@@ -68,8 +68,8 @@ class SamplingParams:
 
         def integer(name: str) -> int:
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise fail(name, value, "an integer")
+            if isinstance(value, bool) or not isinstance(value, int) or not -2**63 <= value < 2**63:
+                raise fail(name, value, "a 64-bit integer")
             return value
 
         if not 1 <= integer("max_tokens"):
@@ -98,7 +98,7 @@ class SamplingParams:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_CHARS:
                 raise fail("stop", s, f"non-empty strings of at most {MAX_STOP_STRING_CHARS} characters")
         for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63:
                 raise fail("stop_token_ids", t, "non-negative token ids")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)

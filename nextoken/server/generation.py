@@ -117,6 +117,11 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
     pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
     asked = request.requested_max_tokens()
     n = request.num_choices
+    queue = engine.config.max_waiting
+    if len(prompts) * n > queue:  # admitted all at once into the waiting queue: this one never could be
+        param = "n" if n > 1 else prompt_param
+        raise ApiError(400, f"n={n} choices for {len(prompts)} prompt(s) make {len(prompts) * n} requests, more than "
+                            f"the {queue} the waiting queue holds (--max-waiting)", param=param)
     subrequests: list[SubRequest] = []
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     for p, ids in enumerate(prompts):

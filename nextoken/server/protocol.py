@@ -11,9 +11,9 @@ min_p, repetition_penalty, ignore_eos, stop_token_ids. Ranges are checked by Sam
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nextoken.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 from nextoken.server.errors import ApiError
@@ -21,7 +21,10 @@ from nextoken.server.errors import ApiError
 MAX_BODY_BYTES = 1 << 20  # larger bodies are refused with 413 before they are read
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# Every integer a request carries is a signed 64-bit one: larger values are a 400 naming the field, never wrapped
+# on their way into the kernels' int64 arrays.
+Int = Annotated[int, Field(ge=-2**63, le=2**63 - 1)]
+Prompt = str | list[str] | list[Int] | list[list[Int]]
 
 
 class _Request(BaseModel):
@@ -46,22 +49,22 @@ class _GenerationRequest(_Request):
     """Fields shared by completions and chat completions; None means "not given" (the default applies)."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: Int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None  # metadata only, see the module docstring
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
 
     @property
     def num_choices(self) -> int:
@@ -97,7 +100,7 @@ class _GenerationRequest(_Request):
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
-    logprobs: int | None = None
+    logprobs: Int | None = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -105,9 +108,9 @@ class CompletionRequest(_GenerationRequest):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -143,7 +146,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str
-    tokens: list[int]
+    tokens: list[Int]
 
     def check(self) -> None:
         pass
@@ -294,6 +297,8 @@ def _validation_error(exc: ValidationError) -> ApiError:
     if field in _UNION_HINTS and error["type"] in ("string_type", "int_type", "list_type", "model_type",
                                                    "literal_error", "dict_type"):
         return ApiError(400, f"invalid {param}: must be {_UNION_HINTS[field]}", param=param)
+    if error["type"] in ("less_than_equal", "greater_than_equal"):  # Int's bounds
+        return ApiError(400, f"invalid {param}: must be an integer in [-2^63, 2^63)", param=param)
     return ApiError(400, f"invalid {param}: {error['msg']}", param=param)
 
 

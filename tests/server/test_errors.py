@@ -95,6 +95,38 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "model"
 
 
+BIG = 2**64 + 5  # past int64: once wrapped to 5 on its way into the kernels
+
+
+@pytest.mark.parametrize(("path", "fields", "param"), [
+    ("/v1/completions", {"top_k": BIG}, "top_k"),
+    ("/v1/completions", {"top_k": 2**63}, "top_k"),
+    ("/v1/completions", {"max_tokens": BIG}, "max_tokens"),
+    ("/v1/completions", {"seed": BIG}, "seed"),
+    ("/v1/completions", {"n": BIG}, "n"),
+    ("/v1/completions", {"logprobs": BIG}, "logprobs"),
+    ("/v1/completions", {"stop_token_ids": [1, BIG]}, "stop_token_ids"),
+    ("/v1/completions", {"prompt": [1, BIG]}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [-BIG]]}, "prompt"),
+    ("/v1/chat/completions", {"top_logprobs": BIG, "logprobs": True}, "top_logprobs"),
+    ("/v1/chat/completions", {"max_completion_tokens": -BIG}, "max_completion_tokens"),
+    ("/detokenize", {"tokens": [BIG]}, "tokens"),
+])
+def test_integers_past_64_bits_are_400_naming_the_field(server: ServerProcess, path: str, fields: dict,
+                                                        param: str) -> None:
+    body: dict = {"model": server.model}
+    if path == "/v1/completions":
+        body |= {"prompt": "the cat", "max_tokens": 2}
+    elif path == "/v1/chat/completions":
+        body |= {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    response = _post(server, path, json.dumps(body | fields).encode())
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"].split("[")[0] == param, error  # with the list index where there is one
+    assert "2^63" in error["message"] or param in ("n", "logprobs", "top_logprobs", "prompt"), error
+    _assert_clean(response)
+
+
 def test_unknown_route_is_an_error_object(server: ServerProcess) -> None:
     response = httpx.get(server.url + "/v1/nothing/here", timeout=30)
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
@@ -181,6 +213,24 @@ def test_full_queue_is_503_with_retry_after(guarded_server: ServerProcess) -> No
         else:
             assert response.json()["usage"]["completion_tokens"] == 300
     wait_idle(guarded_server, headers=headers)
+
+
+def test_more_choices_than_the_queue_holds_is_400_naming_n(guarded_server: ServerProcess) -> None:
+    """With --max-waiting 1 a request of n=2 choices (or of two prompts) could never be admitted: a 400 naming the
+    parameter, not a 503 to retry forever; n=1 still runs."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    wait_idle(guarded_server, headers=headers)
+    for extra, param in (({"n": 2}, "n"), ({"prompt": ["a", "b"]}, "prompt")):
+        body = {"model": guarded_server.model, "prompt": "the cat", "max_tokens": 2, **extra}
+        response = httpx.post(guarded_server.url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param and "waiting queue" in response.json()["error"]["message"]
+        assert "retry-after" not in response.headers
+    chat = {"model": guarded_server.model, "messages": [{"role": "user", "content": "hi"}], "n": 3, "max_tokens": 2}
+    response = httpx.post(guarded_server.url + "/v1/chat/completions", json=chat, headers=headers, timeout=60)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+    body = {"model": guarded_server.model, "prompt": "the cat", "max_tokens": 2, "n": 1}
+    assert httpx.post(guarded_server.url + "/v1/completions", json=body, headers=headers, timeout=60).status_code == 200
 
 
 def test_odd_text_in_messages(server: ServerProcess) -> None:
