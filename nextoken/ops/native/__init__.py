@@ -36,6 +36,9 @@ logger = logging.getLogger("nextoken.native")
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# Tests only: the AVX-512 routes on any x86-64 CPU (emulate512.h; SIMDe's headers, Debian's libsimde-dev). -O1: the
+# emulated intrinsics take minutes to compile at -O3.
+EMULATED_AVX512_FLAGS = ["-O1", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-DNT_EMULATE_AVX512"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -68,6 +71,8 @@ def build(source: Path = SOURCE, flags: list[str] | None = None, cache_dir: Path
     if compiler is None:
         raise RuntimeError("no C compiler found (cc or gcc; or set CC)")
     text = source.read_bytes()
+    if "-DNT_EMULATE_AVX512" in flags:  # the header it then includes is part of the source
+        text += source.with_name("emulate512.h").read_bytes()
     key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), compiler.encode(), _cpu_key().encode()]))
     root = cache_dir or config.cache_dir()
     target = root / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"

@@ -13,7 +13,11 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(NT_EMULATE_AVX512) /* tests: the AVX-512 routes on any x86-64 CPU (emulate512.h) */
+#include "emulate512.h"
+#define NT_AVX2 1
+#define NT_VNNI512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define NT_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
