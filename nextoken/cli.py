@@ -254,7 +254,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from nextoken.server.serve import serve
 
     config = EngineConfig(model=args.model, **_engine_options(args), max_waiting=args.max_waiting,
-                          kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs)
+                          kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
+                          max_tokens_default=args.max_tokens_default)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  allow_insecure_bind=args.allow_insecure_bind, drain_timeout=args.drain_timeout)
 
@@ -325,6 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow binding a non-loopback address without --api-key")
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests beyond which new ones get 503")
     p.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
+    p.add_argument("--max-tokens-default", type=int, default=2048,
+                   help="max_tokens of a request that gives none (capped by the room its prompt leaves)")
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (default: a share of free memory)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests finish before aborting them")

@@ -42,8 +42,9 @@ class EngineConfig:
     # recomputed in fp32; CPU only) | "auto": int8 on CPU unless float weights were asked for, else fp32.
     lm_head: str = "auto"
     # How block weights (int4, int8) meet the activations in products of many rows (prefill, batches of 12 or more
-    # sequences, the LM head from 16 rows) on CPUs with AVX-512 VNNI: "int16" codes per 32 values (within ~2e-5 of
-    # fp32) | "int8" codes per 32 values, their outlier columns in fp32 (1.3-1.5x faster products, less precise).
+    # sequences, the LM head from 16 rows) on CPUs with AVX-512 VNNI: "int16" codes per 32 values (each within
+    # 1/65534 of its group's largest) | "int8" codes per 32 values, their outlier columns in fp32 (1.3-1.5x faster
+    # products, less precise).
     activations: str = "int16"
     # KV cache storage: "fp32" | "bf16" | "int8" (a fp16 scale per 32 values) | "auto": fp32 on CPU, bf16 on CUDA.
     kv_dtype: str = "auto"
@@ -57,6 +58,9 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     max_waiting: int = 1024  # queued requests beyond which add_request refuses
+    # The server's max_tokens for a request that gives none (OpenAI's API lets it run to the context's end): a
+    # forgotten field costs at most this many tokens of one sequence, never the whole context.
+    max_tokens_default: int = 2048
     cuda_graphs: bool = True  # on CUDA, replay pure decode steps from CUDA graphs (engine/graphs.py)
     # CPU threads for the kernels (torch's and nextoken's own); None: torch's default, one per physical core. Set
     # process-wide (torch.set_num_threads) when the engine is built.
@@ -85,5 +89,6 @@ class EngineConfig:
         need(self.max_num_batched_tokens >= self.block_size,
              f"max_num_batched_tokens={self.max_num_batched_tokens} (at least one block)")
         need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")
+        need(self.max_tokens_default >= 1, f"max_tokens_default={self.max_tokens_default}")
         need(self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
                                       and self.threads >= 1), f"threads={self.threads!r} (a whole number, at least 1)")

@@ -140,7 +140,8 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
                                 f"{len(ids) + asked} tokens, more than the {limit} that {where} holds",
                            param="max_tokens")
         try:
-            base = request.sampling_params(asked if asked is not None else room, request.seed)
+            default = min(room, engine.config.max_tokens_default)  # --max-tokens-default
+            base = request.sampling_params(asked if asked is not None else default, request.seed)
         except NextokenError as exc:
             raise api_error_from(exc) from None
         for i in range(n):

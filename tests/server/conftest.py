@@ -103,7 +103,8 @@ def _tiny_servers(tiny_model: Path, server_logs: Path) -> Iterator[tuple[ServerP
     launched = [
         ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), log_dir=server_logs, wait=False),
         ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), "--api-key", API_KEY,
-                      "--max-num-seqs", "1", "--max-waiting", "1", log_dir=server_logs, wait=False),
+                      "--max-num-seqs", "1", "--max-waiting", "1", "--max-tokens-default", "40", log_dir=server_logs,
+                      wait=False),
     ]
     try:
         for proc in launched:
@@ -122,7 +123,8 @@ def server(_tiny_servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
 
 @pytest.fixture(scope="session")
 def guarded_server(_tiny_servers: tuple[ServerProcess, ServerProcess]) -> ServerProcess:
-    """An API key, one running request and one waiting at most: the third concurrent request is refused."""
+    """An API key, one running request and one waiting at most (the third concurrent request is refused), and
+    requests without max_tokens capped at 40 tokens."""
     return _tiny_servers[1]
 
 

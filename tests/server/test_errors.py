@@ -233,6 +233,22 @@ def test_more_choices_than_the_queue_holds_is_400_naming_n(guarded_server: Serve
     assert httpx.post(guarded_server.url + "/v1/completions", json=body, headers=headers, timeout=60).status_code == 200
 
 
+def test_a_request_without_max_tokens_stops_at_the_server_default(guarded_server: ServerProcess) -> None:
+    """--max-tokens-default 40: a request that gives no max_tokens (ignore_eos, so only a cap stops it) ends at 40
+    tokens, not at the end of the 1024-token context; one that gives more gets what it asked for."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    wait_idle(guarded_server, headers=headers)
+    body = {"model": guarded_server.model, "prompt": "the cat", "temperature": 0, "ignore_eos": True}
+    for extra, count in (({}, 40), ({"max_tokens": 60}, 60)):
+        response = httpx.post(guarded_server.url + "/v1/completions", json=body | extra, headers=headers, timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == count
+        assert response.json()["choices"][0]["finish_reason"] == "length"
+    chat = {"model": guarded_server.model, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+    response = httpx.post(guarded_server.url + "/v1/chat/completions", json=chat, headers=headers, timeout=60)
+    assert response.json()["usage"]["completion_tokens"] == 40
+
+
 def test_odd_text_in_messages(server: ServerProcess) -> None:
     """NUL and bidi controls are ordinary text; a lone surrogate cannot be encoded: 400, and the server goes on."""
     def chat(content: str) -> httpx.Response:
