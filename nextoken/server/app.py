@@ -27,7 +27,7 @@ from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.loader.registry import REGISTRY
 from nextoken.server.errors import ApiError, api_error_from, error_body, error_response
-from nextoken.server.generation import Choices, Job, Kind, prepare, render_messages
+from nextoken.server.generation import Choices, Job, Kind, encode_prompt, prepare, render_messages
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.middleware import GuardMiddleware
 from nextoken.server.protocol import (
@@ -124,7 +124,8 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
             add_prompt = body.add_generation_prompt is not False
             ids = await asyncio.to_thread(render_messages, llm_engine, messages, add_prompt)
         else:
-            ids = await asyncio.to_thread(_encode, llm_engine, body.prompt or "", body.add_special_tokens)
+            ids = await asyncio.to_thread(encode_prompt, llm_engine, body.prompt or "", body.add_special_tokens
+                                          is not False, bool(body.special_tokens))
         return json_response({"tokens": ids, "count": len(ids), "max_model_len": llm_engine.max_model_len})
 
     @app.post("/detokenize")
@@ -139,11 +140,6 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
     return app
 
 
-def _encode(engine: LLMEngine, text: str, add_special_tokens: bool | None) -> list[int]:
-    try:
-        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens is not False)
-    except NextokenError as exc:
-        raise api_error_from(exc, param="prompt") from None
 
 
 async def _parse(state: ServerState, request: Request, model: type[RequestT]) -> RequestT:

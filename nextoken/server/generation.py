@@ -69,6 +69,16 @@ def render_messages(engine: LLMEngine, messages: Sequence[ChatMessage], add_gene
         raise api_error_from(exc, param="messages") from None
 
 
+def encode_prompt(engine: LLMEngine, text: str, add_special_tokens: bool, special_tokens: bool) -> list[int]:
+    """A raw text prompt's ids: its special-token text stays plain text unless `special_tokens` (the request's
+    extension field) asks for control tokens; `add_special_tokens` applies the file's BOS/EOS rules."""
+    try:
+        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens,
+                                       plain_spans=() if special_tokens else [(0, len(text))])
+    except NextokenError as exc:
+        raise api_error_from(exc, param="prompt") from None
+
+
 def _prompts(engine: LLMEngine, request: CompletionRequest) -> list[list[int]]:
     prompt = request.prompt
     if isinstance(prompt, str):
@@ -86,7 +96,7 @@ def _prompts(engine: LLMEngine, request: CompletionRequest) -> list[list[int]]:
     for item in items:
         if isinstance(item, str):
             try:
-                ids = engine.tokenizer.encode(item)
+                ids = encode_prompt(engine, item, True, bool(request.special_tokens))
             except NextokenError as exc:
                 raise api_error_from(exc, param="prompt") from None
         else:

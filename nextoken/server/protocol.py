@@ -5,7 +5,8 @@ Request models are strict and closed: a field nextoken does not implement (tools
 best_of, echo, suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
 (no "5" for 5). `user` is accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on
 generation, and nextoken neither uses nor logs it. Extensions beyond OpenAI's fields, with vLLM's names: top_k,
-min_p, repetition_penalty, ignore_eos, stop_token_ids. Ranges are checked by SamplingParams, which names the field.
+min_p, repetition_penalty, ignore_eos, stop_token_ids; and special_tokens (a text prompt's special-token text as
+control tokens, off by default). Ranges are checked by SamplingParams, which names the field.
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class _GenerationRequest(_Request):
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     logprobs: Int | None = None
+    # Extension: whether special-token text in a text prompt ("<|im_end|>") becomes control tokens. Default false:
+    # a raw prompt is text, as chat contents are; token-id prompts are taken as they are either way.
+    special_tokens: bool | None = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -134,12 +138,15 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None  # prompt only; default true (the model file's BOS/EOS rules)
     add_generation_prompt: bool | None = None  # messages only; default true
+    special_tokens: bool | None = None  # prompt only; default false (see CompletionRequest)
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if self.messages is not None and self.add_special_tokens is not None:
             raise ApiError(400, "add_special_tokens applies to prompt only", param="add_special_tokens")
+        if self.messages is not None and self.special_tokens is not None:
+            raise ApiError(400, "special_tokens applies to prompt only", param="special_tokens")
         if self.prompt is not None and self.add_generation_prompt is not None:
             raise ApiError(400, "add_generation_prompt applies to messages only", param="add_generation_prompt")
 

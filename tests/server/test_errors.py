@@ -249,6 +249,34 @@ def test_a_request_without_max_tokens_stops_at_the_server_default(guarded_server
     assert response.json()["usage"]["completion_tokens"] == 40
 
 
+def test_raw_prompts_keep_special_token_text_as_text_unless_asked(server: ServerProcess) -> None:
+    """A text prompt's "<|im_end|>" is text (several ordinary tokens) in /tokenize and /v1/completions, unless
+    the request sets special_tokens; token-id prompts are taken as they are."""
+    def tokenize(**extra: object) -> list[int]:
+        response = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "a<|im_end|>b", **extra},
+                              timeout=30)
+        assert response.status_code == 200, response.text
+        return response.json()["tokens"]
+
+    control = tokenize(special_tokens=True)
+    plain = tokenize()
+    end = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "<|im_end|>",
+                                                     "special_tokens": True, "add_special_tokens": False},
+                     timeout=30).json()["tokens"]
+    assert len(end) == 1 and end[0] in control and end[0] not in plain and len(plain) > len(control)
+    assert tokenize(special_tokens=False) == plain
+    for flag, expected in ((None, plain), (True, control)):
+        body = {"model": server.model, "prompt": "a<|im_end|>b", "max_tokens": 1}
+        if flag is not None:
+            body["special_tokens"] = flag
+        usage = httpx.post(server.url + "/v1/completions", json=body, timeout=30).json()["usage"]
+        assert usage["prompt_tokens"] == len(expected)
+    messages = {"model": server.model, "messages": [{"role": "user", "content": "hi"}], "special_tokens": True}
+    refused = httpx.post(server.url + "/tokenize", json=messages, timeout=30)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "special_tokens"
+    wait_idle(server)
+
+
 def test_odd_text_in_messages(server: ServerProcess) -> None:
     """NUL and bidi controls are ordinary text; a lone surrogate cannot be encoded: 400, and the server goes on."""
     def chat(content: str) -> httpx.Response:
