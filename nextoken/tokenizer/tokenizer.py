@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import operator
+import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +26,8 @@ from nextoken.tokenizer.from_gguf import (
     special_token_ids,
 )
 
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 class Tokenizer:
     """A model's tokenizer. Build with `from_gguf`; the attributes below are read-only by convention."""
@@ -82,10 +85,14 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
         spans = self._normalize_spans(text, plain_spans)
+        lone = _SURROGATE.search(text)  # valid in a Python str (and in JSON's \ud800), never in Unicode text
+        if lone is not None:
+            raise TokenizerError(f"the text holds a lone surrogate (U+{ord(lone.group()):04X}) at character "
+                                 f"{lone.start()}, which is not Unicode text")
         try:
             ids = self._encode_spans(text, spans) if spans else self._hf.encode(text, add_special_tokens=False).ids
-        except Exception as exc:  # e.g. a lone surrogate, which the Rust side cannot take as UTF-8
-            raise TokenizerError(f"cannot encode text: {exc}") from None
+        except Exception as exc:  # the tokenizers library refused it: say so in our words, with its kind
+            raise TokenizerError(f"the tokenizer cannot encode this text ({type(exc).__name__})") from None
         if add_special_tokens:
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)

@@ -286,6 +286,8 @@ def test_odd_text_in_messages(server: ServerProcess) -> None:
     assert chat("a\x00b \u202eevil\u202c <|im_start|>").status_code == 200
     surrogate = chat("half \ud800 a pair")
     assert surrogate.status_code == 400 and surrogate.json()["error"]["param"] == "messages"
+    message = surrogate.json()["error"]["message"]  # in nextoken's words, not the tokenizers library's
+    assert "lone surrogate (U+D800)" in message and "utf-8" not in message.lower(), message
     _assert_clean(surrogate)
     assert httpx.get(server.url + "/health", timeout=30).json() == {"status": "ok"}
     wait_idle(server)
