@@ -2,7 +2,8 @@
 
 temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (1e-5, vLLM's choice): at such a
 temperature the draw is the argmax anyway wherever two logits differ by more than a ten-thousandth, and the
-logits divided by it (or its reciprocal) would overflow fp32 from about 3e-39 down. Stage order (see engine/sampler.py): penalties, temperature, top-k, top-p, min-p, draw.
+logits divided by it (or its reciprocal) would overflow fp32 from about 3e-39 down. Stage order (see
+engine/sampler.py): penalties, temperature, top-k, top-p, min-p, draw.
 Every invalid value raises InvalidSamplingParams naming the parameter and its valid range.
 """
 

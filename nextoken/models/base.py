@@ -60,7 +60,7 @@ class CausalLM(nn.Module):
         if native.repeatable(lib, hidden, weight):  # the same bits on any thread count (Linear)
             rows = hidden.shape[0]
             fits = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape[0] >= rows
-            return native.matmul_rowmajor(lib, hidden.contiguous(), weight, out[:rows] if fits else None)
+            return native.matmul_rowmajor(lib, hidden, weight, out[:rows] if fits else None)
         if out is not None and weight.dtype == hidden.dtype == out.dtype and weight.device == out.device:
             return torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])
         return torch.nn.functional.linear(hidden, weight).float()

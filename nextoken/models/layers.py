@@ -22,8 +22,8 @@ class Linear(nn.Linear):
     fp32 residual stream): the input is cast to the weight's dtype for the matmul and the result cast back.
 
     fp32 products on the CPU go through the native row-major kernel (ops/native matmul_rowmajor) where it is built:
-    each output is one fixed sequence of multiply-adds, so a run repeats bit for bit whatever the thread count or the
-    batch, which torch's BLAS does not promise (its split of the sum follows the thread count for some shapes)."""
+    each output is one fixed sequence of multiply-adds, the same bits whatever the thread count or the batch, which
+    torch's BLAS does not promise (its split of the sum follows the thread count for some shapes)."""
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -35,7 +35,7 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if native.repeatable(self.lib, x, self.weight):
-            return native.matmul_rowmajor(self.lib, x if x.stride(-1) == 1 else x.contiguous(), self.weight)
+            return native.matmul_rowmajor(self.lib, x, self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
 
 

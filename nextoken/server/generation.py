@@ -95,10 +95,7 @@ def _prompts(engine: LLMEngine, request: CompletionRequest) -> list[list[int]]:
     out = []
     for item in items:
         if isinstance(item, str):
-            try:
-                ids = encode_prompt(engine, item, True, bool(request.special_tokens))
-            except NextokenError as exc:
-                raise api_error_from(exc, param="prompt") from None
+            ids = encode_prompt(engine, item, True, bool(request.special_tokens))
         else:
             bad = next((t for t in item if not 0 <= t < vocab), None)
             if bad is not None:

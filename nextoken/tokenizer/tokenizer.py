@@ -27,7 +27,8 @@ from nextoken.tokenizer.from_gguf import (
 )
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # lone UTF-16 halves: valid in a str, not in text
+
 
 class Tokenizer:
     """A model's tokenizer. Build with `from_gguf`; the attributes below are read-only by convention."""
@@ -85,7 +86,7 @@ class Tokenizer:
         if not isinstance(text, str):
             raise TypeError(f"encode() needs a str, got {type(text).__name__}")
         spans = self._normalize_spans(text, plain_spans)
-        lone = _SURROGATE.search(text)  # valid in a Python str (and in JSON's \ud800), never in Unicode text
+        lone = _SURROGATE.search(text)
         if lone is not None:
             raise TokenizerError(f"the text holds a lone surrogate (U+{ord(lone.group()):04X}) at character "
                                  f"{lone.start()}, which is not Unicode text")

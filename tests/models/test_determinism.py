@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from nextoken.sampling_params import SamplingParams
 from tests.conftest import REAL_MODELS, TEST_KV_BYTES, load_reference
@@ -56,12 +57,14 @@ def test_thread_count_changes_no_bit(model: str, route: str) -> None:
 
     ids = prompts(model)
     seen = {}
-    for threads in (1, 2):
-        llm = LLM(REAL_MODELS[model], threads=threads, kv_cache_bytes=TEST_KV_BYTES, **ROUTES[route])
-        seen[threads] = fingerprint(llm, ids)
-        del llm
-    import torch
-    torch.set_num_threads(2)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            llm = LLM(REAL_MODELS[model], threads=threads, kv_cache_bytes=TEST_KV_BYTES, **ROUTES[route])
+            seen[threads] = fingerprint(llm, ids)
+            del llm
+    finally:
+        torch.set_num_threads(before)  # LLM(threads=...) sets it process-wide
     assert seen[1] == seen[2]
 
 

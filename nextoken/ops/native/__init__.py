@@ -225,6 +225,7 @@ def matmul_rowmajor(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, out
     """x [M, K] fp32 @ weight^T for a row-major fp32 weight [N, K] (rows of any stride, unit column stride), into
     `out` ([M, N], unit column stride) where given: every output the same bits whatever the thread count, the batch
     around its row or the instruction set (nt_matmul_rowmajor)."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
     _check(x)
     _check(weight)
     rows, k = x.shape

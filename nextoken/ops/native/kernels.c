@@ -760,7 +760,9 @@ void nt_sgemm(const float *x, int64_t M, int64_t K, int64_t ldx, const float *pa
 #define RM_ROWS 4
 #define RM_COLS 2
 
-static inline float lanes_sum(const float l[8]) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
+static inline float lanes_sum(const float l[8]) {
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
 
 static void rowmajor_tile(const float *const *a, int64_t nr, const float *const *w, int64_t nc, int64_t K,
                           float *const *c) {
@@ -1895,8 +1897,7 @@ static int decode_attention(const float *q, float *out, int64_t n, const int64_t
         int64_t first = start, last = len;
         if (parts > 1) { /* this sequence's own parts (context_parts); the grid's others are empty */
             const int64_t own = context_parts(len - start), share = (len - start + own - 1) / own;
-            first = part < own ? start + part * share : len;
-            first = first < len ? first : len;
+            first = part < own && start + part * share < len ? start + part * share : len;
             last = first + share < len ? first + share : len;
         }
         const int64_t at = (rows ? rows[i] : i) * heads * D, count = last - first;
