@@ -36,8 +36,9 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="float weights (activations stay fp32)")
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
-                   help="projection weights; auto: --dtype if given, else int4 on CPU for Q4_0/Q4_1 files (decode "
-                        "reads a quarter of the bytes), fp32 for others, and bf16 on CUDA")
+                   help="projection weights; auto: --dtype if given, else on CPU int4 for files whose projections "
+                        "are all in blocks the kernels hold exactly (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0: the file's "
+                        "weights, a quarter of fp32's bytes), fp32 for others; bf16 on CUDA")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
                    help="KV cache storage; int8 keeps a scale per 32 values (3.8x the tokens of fp32 in the same "
                         "memory); auto: fp32 on CPU, bf16 on CUDA")
@@ -47,7 +48,7 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                         "--weights/--dtype ask for float weights")
     p.add_argument("--activations", default="int16", choices=["int16", "int8"],
                    help="how block weights meet the activations in prefill, batches of 12 or more and the LM head "
-                        "from 16 rows: int16 codes per 32 values (within ~2e-5 of fp32), or int8 ones, outlier "
+                        "from 16 rows: two levels of int16 codes per 32 values (fp32's precision), or int8 ones, outlier "
                         "columns in fp32 (products 1.3-1.5x faster on CPUs with AVX-512 VNNI; top-1 agreement "
                         "98.6-99.2%%, above transformers in bf16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")

@@ -35,16 +35,17 @@ class EngineConfig:
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # float weights: "float32" | "bfloat16" | "auto" (decided by `weights`)
     # Projection weights: "fp32" | "bf16" | "int8" (per-channel scales) | "int4" (groups of 32; fused kernels for
-    # decode, fp32 GEMM for large batches; CPU only) | "auto": the dtype asked for if any, else int4 on CPU for
-    # Q4_0/Q4_1 files, fp32 for others, bf16 on CUDA.
+    # decode, fp32 GEMM for large batches; CPU only) | "auto": the dtype asked for if any, else on CPU int4 for files
+    # whose projections the kernels hold exactly (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0 blocks), fp32 for others; bf16
+    # on CUDA.
     weights: str = "auto"
     # LM head for decode rows: "fp32" | "int8" (a cheap int8 pass over the vocabulary, its 32 best candidates
     # recomputed in fp32; CPU only) | "auto": int8 on CPU unless float weights were asked for, else fp32.
     lm_head: str = "auto"
     # How block weights (int4, int8) meet the activations in products of many rows (prefill, batches of 12 or more
-    # sequences, the LM head from 16 rows) on CPUs with AVX-512 VNNI: "int16" codes per 32 values (each within
-    # 1/65534 of its group's largest) | "int8" codes per 32 values, their outlier columns in fp32 (1.3-1.5x faster
-    # products, less precise).
+    # sequences, the LM head from 16 rows) on CPUs with AVX-512 VNNI: "int16": two levels of int16 codes per 32 values
+    # (the codes, then those of what they leave: fp32's precision) | "int8": one level of int8 codes per 32 values,
+    # their outlier columns in fp32 (faster products, less precise).
     activations: str = "int16"
     # KV cache storage: "fp32" | "bf16" | "int8" (a fp16 scale per 32 values) | "auto": fp32 on CPU, bf16 on CUDA.
     kv_dtype: str = "auto"

@@ -134,9 +134,8 @@ class CausalLM(nn.Module):
         int8, float files regrouped into 4 bits. int8: int8 blocks everywhere (Q5_0, Q6_K, Q8_0 exactly). With
         `quantize_head`, decode rows go through `Int8GroupHead` (CPU only), and a Q8_0 token table stays in its
         blocks (`BlockEmbedding`): no fp32 copy, and a tied head rescores its candidates from the same blocks.
-        Projections whose blocks are exactly their weights (EXACT_PANEL_TYPES), and with AVX-512 VNNI all 4-bit ones
-        (see block_only_types), are not dequantized at all on CPU: the native kernels build their GEMM panels from
-        the blocks, or need none."""
+        Projections whose blocks are exactly their weights (EXACT_PANEL_TYPES: every type int4 keeps) are not
+        dequantized at all on CPU: the native kernels build their GEMM panels from the blocks, or need none."""
         state: dict[str, torch.Tensor] = {}
         sources: dict[str, list[tuple[str, torch.Tensor]]] = {}  # projection -> (file tensor, transformed weight)
         embedding = gguf.tensors.get("token_embd.weight")

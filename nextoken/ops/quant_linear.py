@@ -7,8 +7,9 @@ are; float weights are regrouped, min/max over 15 steps), or int8 codes with a s
 weights are quantized with absmax / 127) or per 16 (Q6_K's blocks, exactly). A fused projection may mix them: the
 Q4_K_M files keep some V and down projections in 6 bits.
 
-The products run in nextoken's own kernels (`ops/native`), which quantize activations to int16 blocks on the fly:
-results match an fp32 matmul over the dequantized weight to about 2e-5. Batches of more than `NATIVE_MAX_ROWS`
+The products run in nextoken's own kernels (`ops/native`), which quantize activations on the fly to two levels of
+int16 codes per 32 values (the codes, then the codes of what they leave): results match an fp32 matmul over the
+file's weights to fp32 rounding. Batches of more than `NATIVE_MAX_ROWS`
 rows are bound by compute instead, where fp32 multiply-adds over the dequantized weight win: the native fp32 GEMM,
 over the weight packed in its panels (`panels`, held instead of a dense copy; `weight` unpacks it). Where the native
 kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16 activations; 4-bit codes with a
@@ -41,27 +42,29 @@ HEAD_GEMM_ROWS = 16
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
-# Activations meet the blocks as int16 codes per 32 values by default: results within 2e-5 of fp32 over the file's
-# weights. `activations="int8"` takes int8 codes in products of many rows instead, its outlier columns in fp32
-# (nt_block_gemm8): 1.3-1.7x the GEMM's rate, at SmolLM2 99.2% top-1 agreement with fp32, KL 7.6e-4 (int16: 100%,
-# KL 6e-8).
+# Activations meet the blocks as two levels of int16 codes per 32 values by default: results within fp32 rounding of
+# fp32 over the file's weights. `activations="int8"` takes one level of int8 codes in products of many rows instead,
+# its outlier columns in fp32 (nt_block_gemm8): faster, at SmolLM2 99.2% top-1 agreement with fp32, KL 7.6e-4.
 
 _Q = GGMLQuantizationType
 Q4_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K)
 FLOAT_TYPES = (_Q.F32, _Q.F16, _Q.BF16)
 EXACT_BLOCK_TYPES = (*Q4_TYPES, _Q.Q5_0, _Q.Q6_K, _Q.Q8_0)  # held without requantizing (Q4 or int8 blocks)
-# Held as exactly the file's weights, scales included (Q4_K's sub-block scales d * sc need more bits than the fp16
-# the Q4 kernels keep): their fp32 weight comes from the blocks themselves (BlockLinear without `dense`).
-EXACT_PANEL_TYPES = {"int4": (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q6_K, _Q.Q8_0), "int8": (_Q.Q5_0, _Q.Q6_K, _Q.Q8_0)}
+# Held as exactly the file's weights, scales included: their fp32 weight comes from the blocks themselves
+# (BlockLinear without `dense`).
+EXACT_PANEL_TYPES = {"int4": (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q6_K, _Q.Q8_0),
+                     "int8": (_Q.Q5_0, _Q.Q6_K, _Q.Q8_0)}
 
 
-Q4, Q8, Q8_HALVES = 4, 8, 6  # the kernels' weight formats (ops/native/kernels.c, nt_block_matmul)
+Q4, Q4_F32, Q8, Q8_HALVES = 4, 5, 8, 6  # the kernels' weight formats (ops/native/kernels.c, nt_block_matmul)
+NIBBLE_KINDS = (Q4, Q4_F32)
 
 
 @dataclass
 class BlockWeight:
     """Rows of a projection in one block format:
     Q4: qs uint8 [rows, cols / 2] nibbles, d and m fp16 [rows, cols / 32]; w = d * q + m.
+    Q4_F32: as Q4, d and m fp32 (Q4_K's sub-block scales d * sc and dmin * mn need up to 17 bits).
     Q8: qs int8 [rows, cols], d fp16 [rows, cols / 32]; w = d * q.
     Q8_HALVES: qs int8 [rows, cols], d fp32 [rows, cols / 16]; w = d * q (holds Q6_K blocks exactly)."""
 
@@ -76,14 +79,18 @@ class BlockWeight:
 
     @property
     def bytes_per_weight(self) -> float:
-        cols = self.qs.shape[1] * (2 if self.kind == Q4 else 1)
+        cols = self.qs.shape[1] * (2 if self.kind in NIBBLE_KINDS else 1)
         extra = 0 if self.m is None else self.m.nbytes
         return (self.qs.nbytes + self.d.nbytes + extra) / (self.rows * cols)
 
 
 def q4_weight(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
-    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m)."""
-    return BlockWeight(Q4, pack_nibbles(codes), d.to(torch.float16).contiguous(), m.to(torch.float16).contiguous())
+    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m): scales in fp16 where fp16 holds
+    them exactly (Q4_0, Q4_1, regrouped weights), else in fp32 (Q4_K's)."""
+    d16, m16 = d.to(torch.float16), m.to(torch.float16)
+    if torch.equal(d16.float(), d.float()) and torch.equal(m16.float(), m.float()):
+        return BlockWeight(Q4, pack_nibbles(codes), d16.contiguous(), m16.contiguous())
+    return BlockWeight(Q4_F32, pack_nibbles(codes), d.float().contiguous(), m.float().contiguous())
 
 
 def q8_weight(codes: torch.Tensor, d: torch.Tensor) -> BlockWeight:
@@ -108,14 +115,9 @@ def _merge(parts: list[BlockWeight]) -> list[BlockWeight]:
 
 def block_only_types(quant: str | None) -> tuple[GGMLQuantizationType, ...]:
     """The file types whose projections load as blocks alone, never dequantized to an fp32 copy (the CPU's native
-    kernels): those the blocks hold exactly (EXACT_PANEL_TYPES: their GEMM panels come from the blocks) and, with
-    AVX-512 VNNI, where every product runs on the blocks and no projection keeps panels, the 4-bit types whose codes
-    int4 keeps (Q4_K's scales become fp16 per 32, as decode has them everywhere)."""
-    lib = native.library()
-    types = EXACT_PANEL_TYPES.get(quant or "", ()) if lib is not None else ()
-    if quant == "int4" and lib is not None and lib.nt_has_vnni512():
-        types += tuple(t for t in Q4_TYPES if t not in types)
-    return types
+    kernels): those the blocks hold exactly (EXACT_PANEL_TYPES: their GEMM panels come from the blocks, or with
+    AVX-512 VNNI are not needed)."""
+    return EXACT_PANEL_TYPES.get(quant or "", ()) if native.library() is not None else ()
 
 
 class BlockLinear(nn.Module):
@@ -153,7 +155,7 @@ class BlockLinear(nn.Module):
             if panels or (panels is None and not vnni):
                 packed = self._blocks_panels() if dense is None else native.pack(self.lib, dense)
             dense = None
-        elif all(p.kind == Q4 for p in self.parts):  # torch's int4 kernel (bf16 activations)
+        elif all(p.kind in NIBBLE_KINDS for p in self.parts):  # torch's int4 kernel (bf16 activations)
             self.lib = None
             self.max_rows = TORCH_INT4_MAX_ROWS
             codes = torch.cat([unpack_nibbles(p.qs) for p in self.parts])
@@ -279,11 +281,13 @@ def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def regroup(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float weight [rows, cols] -> Q4 (codes, d, m) over blocks of 32 (min/max in 15 steps)."""
+    """Float weight [rows, cols] -> Q4 (codes, d, m) over blocks of 32 (min/max in 15 steps; d and m rounded to
+    fp16, as Q4 keeps them, before the codes are chosen)."""
     rows, cols = weight.shape
     groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
     lo, hi = groups.amin(-1), groups.amax(-1)  # [rows, groups]
-    d = ((hi - lo) / 15).clamp(min=1e-10)
+    d = ((hi - lo) / 15).clamp(min=1e-7).half().float()
+    lo = lo.half().float()
     codes = torch.round((groups - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
     return codes.reshape(rows, cols), d, lo
 
@@ -400,7 +404,7 @@ class Int8GroupHead(nn.Module):
     """The LM head for decode: a cheap pass over the whole vocabulary, then the best candidates rescored exactly.
 
     The head weight [vocab, hidden] is held as Q8 blocks: the file's own where the head is Q8_0 (`weight` None: on
-    the native kernel the pass is then as exact as the projections, within 2e-5 of fp32 over those blocks), else
+    the native kernel the pass is then as exact as the projections, fp32 over those blocks), else
     quantized with absmax / 127, a quarter of fp32's bytes. Requantized blocks move logits by int8 rounding of the
     weights, enough to swap near-tied tokens; so the `num_exact` highest logits of each row are recomputed in fp32
     from the float `weight` (which the embedding keeps anyway when tied), as they are after torch's bf16 pass.
@@ -471,7 +475,7 @@ class Int8GroupHead(nn.Module):
             return logits
         if self.lib is not None:
             native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits)
-            if self.weight is None:  # the file's own blocks: already within 2e-5 of fp32 over them, as projections
+            if self.weight is None:  # the file's own blocks: already fp32 over them, as projections are
                 return logits
         else:
             xb = x.to(torch.bfloat16)

@@ -25,7 +25,8 @@ from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q8, Q8_HALVES, BlockLinear, BlockWeight, q4_weight,
+from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, NIBBLE_KINDS, Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
+                                       BlockWeight, q4_weight,
                                         q8_codes, q8_weight, regroup, unpack_nibbles)
 from tests.unit.test_sampler import grid_frequencies, reference_distribution
 
@@ -72,7 +73,7 @@ def use_library(monkeypatch: pytest.MonkeyPatch, library: ctypes.CDLL) -> None:
 def dequantized(part: BlockWeight) -> torch.Tensor:
     """The fp32 weight [rows, cols] a block part holds: codes times their scale (per 32, or per 16 for Q8 in
     halves), plus Q4's offset."""
-    unpacked = unpack_nibbles(part.qs).float() if part.kind == Q4 else part.qs.float()
+    unpacked = unpack_nibbles(part.qs).float() if part.kind in NIBBLE_KINDS else part.qs.float()
     size = 16 if part.kind == Q8_HALVES else 32
     w = (unpacked.unflatten(1, (-1, size)) * part.d.float().unsqueeze(-1)).flatten(1)
     if part.m is not None:
@@ -80,13 +81,34 @@ def dequantized(part: BlockWeight) -> torch.Tensor:
     return w
 
 
-@pytest.mark.parametrize("kind", [Q4, Q8, Q8_HALVES])
+def q4k_weight(n: int, k: int, gen: torch.Generator) -> BlockWeight:
+    """Q4 blocks with Q4_K's scales: d * sc and -dmin * mn per 32 values, an fp16 times a 6-bit integer (more bits
+    than fp16 holds, so kept in fp32)."""
+    d = torch.rand(n, k // 256 + 1, generator=gen).half().float().repeat_interleave(8, dim=1)[:, :k // 32] / 50
+    dmin = torch.rand(n, k // 256 + 1, generator=gen).half().float().repeat_interleave(8, dim=1)[:, :k // 32] / 50
+    sc = torch.randint(0, 64, d.shape, generator=gen).float()
+    mn = torch.randint(0, 64, d.shape, generator=gen).float()
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return q4_weight(codes, d * sc, -dmin * mn)
+
+
+def loud_blocks(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """x with one value of every other block of 32 a thousand times its size (as RMSNorm weights and gated products
+    make some columns): one level of int16 codes per block then leaves that block's other values few bits."""
+    x = x.clone()
+    cols = torch.arange(0, x.shape[1], 64) + torch.randint(0, 32, (x.shape[1] // 64 + 1,), generator=gen)[:1]
+    x[:, cols[cols < x.shape[1]]] *= 1000
+    return x
+
+
+@pytest.mark.parametrize("kind", [Q4, Q4_F32, Q8, Q8_HALVES])
 def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, one activation row meets Q4 weights through byte multiply-adds on the int16 codes split
     into bytes, and int8 weights (Q8, Q8 in halves) through 512-bit multiply-adds of int16 pairs: the same integer
-    sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within the
-    activations' rounding of a float64 product over the dequantized weight. Row counts past whole tiles of four and
-    thread chunks of 16; 1 to 4 blocks in a last quad of blocks, odd block counts (K = 32 ... 1536); 1-3 threads."""
+    sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within
+    fp32 rounding of a float64 product over the dequantized weight (two levels of activation codes), with a value a
+    thousand times the others' in every other block. Row counts past whole tiles of four and thread chunks of 16; 1
+    to 4 blocks in a last quad of blocks, odd block counts (K = 32 ... 1536); 1-3 threads."""
     assert avx2.nt_has_avx2() == 1 and avx2.nt_has_vnni512() == 0
     gen = torch.Generator().manual_seed(5)
     for n, k in ((1, 32), (3, 64), (17, 96), (43, 128), (64, 160), (35, 576), (21, 640), (50, 1536)):
@@ -94,6 +116,8 @@ def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDL
         w[0, :32] = 0  # a block whose scale is zero
         if kind == Q4:
             part = q4_weight(*regroup(w))
+        elif kind == Q4_F32:
+            part = q4k_weight(n, k, gen)
         elif kind == Q8:
             part = q8_weight(*q8_codes(None, None, w))
         else:  # Q6_K's form: codes over -32..31, an fp32 scale per 16
@@ -101,7 +125,7 @@ def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDL
                              torch.rand(n, k // 16, generator=gen) / 10)
         assert part.kind == kind
         dense = dequantized(part)
-        x = torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4
+        x = loud_blocks(torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4, gen)
         x[0, 32:64] = 0  # an activation block of zeros (its scale is zero)
         expected = (x.double() @ dense.double().t()).float()
         for threads in (1, 2, 3):
@@ -115,10 +139,10 @@ def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDL
             finally:
                 torch.set_num_threads(2)
             size = (x.abs() @ dense.abs().t()).float()
-            for out in outs:  # activation codes within 2e-5 of x
-                assert ((out - expected).abs() <= 3e-5 * size + 1e-6).all(), (n, k, threads)
+            for out in outs:  # two levels: up to 4e-6 * size (fp32: 4e-7, one level of codes: 3e-5 to 5e-4)
+                assert ((out - expected).abs() <= 1e-5 * size + 1e-6).all(), (n, k, threads)
             for out in outs[1:]:  # the same integer sums; float sums of k / 32 block products in another order
-                assert ((out - outs[0]).abs() <= 2e-6 * size + 1e-7).all(), (n, k, threads)
+                assert ((out - outs[0]).abs() <= 5e-6 * size + 1e-7).all(), (n, k, threads)
 
 
 @pytest.mark.parametrize("k", [96, 256, 320, 352])  # blocks per row: 3 (scales one by one), 8 (whole vectors), 10, 11
@@ -127,8 +151,9 @@ def test_portable_build_agrees_with_the_vectorized_one(k: int, lib: ctypes.CDLL,
     gen = torch.Generator().manual_seed(0)
     parts = [q4_weight(*regroup(torch.randn(43, k, generator=gen))),  # rows past whole tiles of four
              q8_weight(*q8_codes(None, None, torch.randn(21, k, generator=gen))),
-             q8_weight(torch.randint(-32, 32, (7, k), generator=gen, dtype=torch.int8), torch.rand(7, k // 16) / 10)]
-    assert [p.kind for p in parts] == [Q4, Q8, Q8_HALVES]
+             q8_weight(torch.randint(-32, 32, (7, k), generator=gen, dtype=torch.int8), torch.rand(7, k // 16) / 10),
+             q4k_weight(9, k, gen)]
+    assert [p.kind for p in parts] == [Q4, Q8, Q8_HALVES, Q4_F32]
     for rows in (1, 3, 6):
         x = torch.randn(rows, k, generator=gen)
         for part in parts:
@@ -189,16 +214,17 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
     # product over the dequantized weight.
     parts = [q4_weight(*regroup(torch.randn(43, 96, generator=gen))),  # rows past whole tiles of four
              q8_weight(*q8_codes(None, None, torch.randn(21, 96, generator=gen))),
-             q8_weight(torch.randint(-32, 32, (7, 96), generator=gen, dtype=torch.int8), torch.rand(7, 6) / 10)]
+             q8_weight(torch.randint(-32, 32, (7, 96), generator=gen, dtype=torch.int8), torch.rand(7, 6) / 10),
+             q4k_weight(20, 96, gen)]
     for part in parts:
         w = dequantized(part)
         for rows in (1, 7, 12):
-            x = torch.randn(rows, 96, generator=gen)
+            x = loud_blocks(torch.randn(rows, 96, generator=gen), gen)
             out = torch.empty(rows, part.rows)
             native.block_matmul(kernels, part.kind, x, part.qs, part.d, part.m, out, gemm=True)
-            # fp32, or with AVX-512 VNNI int16 activation codes (within 2e-5 of x; see the next test)
+            # fp32 over the dequantized rows
             size = (x.abs().double() @ w.abs().double().t()).float()
-            assert ((out - (x.double() @ w.double().t()).float()).abs() <= 3e-5 * size + 1e-5).all()
+            assert ((out - (x.double() @ w.double().t()).float()).abs() <= 1e-5 * size + 1e-5).all()
     with pytest.raises(ValueError, match="do not fit"):
         native.sgemm(kernels, torch.randn(2, 8), native.pack(kernels, torch.randn(4, 9)), 4, torch.empty(2, 4))
 
@@ -213,7 +239,8 @@ def gemm_cases(seed: int, outliers: bool = False):  # noqa: ANN201 - yields (Blo
         parts = [q4_weight(*regroup(torch.randn(n, k, generator=gen))),
                  q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen))),
                  q8_weight(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
-                           torch.rand(n, k // 16, generator=gen) / 10)]
+                           torch.rand(n, k // 16, generator=gen) / 10),
+                 q4k_weight(n, k, gen)]
         loud = torch.randperm(k, generator=gen)[:max(1, k // 24)] + 1
         for part in parts:
             w = dequantized(part).double()
@@ -242,11 +269,12 @@ def gemm_out(library: ctypes.CDLL, part: BlockWeight, x: torch.Tensor, threads: 
 
 def test_int16_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, products of many rows over block weights (block_matmul with gemm=True) meet the weights'
-    integer codes with int16 activation codes in 16-bit multiply-adds: within the activations' rounding of a float64
-    product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. gemm_cases' shapes, 1-3 threads."""
-    for part, w, x in gemm_cases(6):
+    integer codes with two levels of int16 activation codes in 16-bit multiply-adds: within fp32 rounding of a
+    float64 product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. gemm_cases' shapes, with
+    loud columns, 1-3 threads."""
+    for part, w, x in gemm_cases(6, outliers=True):
         expected = (x.double() @ w.t()).float()
-        bound = 3e-5 * (x.abs().double() @ w.abs().t()).float() + 1e-6
+        bound = 1e-5 * (x.abs().double() @ w.abs().t()).float() + 1e-6
         for threads in (1, 2, 3):
             for library in (vnni, avx2):
                 got = gemm_out(library, part, x, threads)
@@ -591,9 +619,9 @@ def test_argmax_rows_is_numpys(build: str, lib: ctypes.CDLL, avx2: ctypes.CDLL, 
 
 def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctypes.CDLL,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels decide what a projection keeps: with AVX-512 VNNI its blocks alone (4-bit files load without a
-    float copy, Q4_K included); without, the fp32 GEMM's panels beside them (Q4_K, inexact in fp16 scales, through
-    the loader's dequantization)."""
+    """The kernels decide what a projection keeps: with AVX-512 VNNI its blocks alone, without, the fp32 GEMM's
+    panels beside them, dequantized from the blocks. 4-bit files load without a float copy either way (Q4_K
+    included: its scales are kept in fp32)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen)
     parts = [q4_weight(*regroup(weight))]
@@ -602,13 +630,14 @@ def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctype
         vnni = bool(kernels.nt_has_vnni512())
         layer = BlockLinear(parts, weight)
         assert (layer.panels is None) == vnni and layer.dense is None
-        assert (GGMLQuantizationType.Q4_K in quant_linear.block_only_types("int4")) == vnni
+        assert GGMLQuantizationType.Q4_K in quant_linear.block_only_types("int4")
         assert GGMLQuantizationType.Q4_K not in quant_linear.block_only_types("int8")
         x = torch.randn(NATIVE_MAX_ROWS + 5, 64, generator=gen)
-        # int16 activation codes over the blocks, or the fp32 GEMM over panels of the weight given
+        # two levels of int16 activation codes over the blocks, or the fp32 GEMM over panels of the weight given:
+        # either way fp32 rounding
         reference = F.linear(x, layer.weight)
         assert torch.equal(layer.weight, weight) != vnni
-        bound = (3e-5 if vnni else 1e-6) * (x.abs() @ layer.weight.abs().t()) + 1e-6
+        bound = 1e-6 * (x.abs() @ layer.weight.abs().t()) + 1e-6
         assert ((layer(x) - reference).abs() <= bound).all()
 
 

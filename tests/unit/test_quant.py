@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from nextoken.loader.dequant import dequantize
 from nextoken.ops import native
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q8,
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8,
                                         Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes,
                                         q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup,
                                         unpack_nibbles)
@@ -125,9 +125,9 @@ def test_block_linear_matches_dense_on_native_kernels(rows: int, cols: int) -> N
 
 def exact_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -> tuple[BlockWeight, torch.Tensor]:
     """File blocks of `qtype` as the loader converts them without a float weight, and their dequantized weight."""
-    raw = (random_blocks(qtype, rows, cols, seed) if qtype == _Q.Q6_K else gguf.quants.quantize(
+    raw = (random_blocks(qtype, rows, cols, seed) if qtype in (_Q.Q4_K, _Q.Q6_K) else gguf.quants.quantize(
         np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32), qtype).reshape(-1))
-    if qtype in (_Q.Q4_0, _Q.Q4_1):
+    if qtype in (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K):
         block = q4_weight(*q4_codes(raw, qtype, (rows, cols)))  # type: ignore[misc]
     else:
         codes = {_Q.Q5_0: q5_codes, _Q.Q6_K: q6_codes, _Q.Q8_0: q8_0_codes}[qtype](raw, (rows, cols))
@@ -137,13 +137,17 @@ def exact_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
-    """A fused projection of every type whose blocks hold the weight exactly (int4: Q4_0, Q4_1, Q5_0, Q6_K, Q8_0;
-    int8: the 5-, 6- and 8-bit ones): without its fp32 weight, the panels dequantized from the blocks are
+    """A fused projection of every type whose blocks hold the weight exactly (int4: Q4_0, Q4_1, Q4_K, Q5_0, Q6_K,
+    Q8_0; int8: the 5-, 6- and 8-bit ones): without its fp32 weight, the panels dequantized from the blocks are
     bit-identical to those packed from the loader's dequantization, panels shared by two parts included."""
     lib = native.library()
     assert lib is not None
-    made = [exact_blocks(qtype, rows, 256, seed=rows)
-            for qtype, rows in zip(EXACT_PANEL_TYPES[quant], (13, 21, 7, 18, 5))]
+    # neighbours of one kernel format merge into one part (at most four parts): Q6_K before the two Q8 ones
+    types = [t for t in (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q6_K, _Q.Q5_0, _Q.Q8_0) if t in EXACT_PANEL_TYPES[quant]]
+    assert set(types) == set(EXACT_PANEL_TYPES[quant])
+    made = [exact_blocks(qtype, rows, 256, seed=rows) for qtype, rows in zip(types, (13, 21, 11, 7, 18, 5))]
+    if quant == "int4":
+        assert made[2][0].kind == Q4_F32  # Q4_K: its scales need fp32
     weight = torch.cat([w for _, w in made])
     layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape), panels=True)
     assert layer.dense is None and torch.equal(layer.panels, native.pack(lib, weight))

@@ -26,6 +26,9 @@
 #endif
 
 #define QK 32
+/* The weight formats (kind) of the block products: see nt_block_matmul. */
+#define IS_Q4(kind) ((kind) == 4 || (kind) == 5)
+#define KNOWN_KIND(kind) (IS_Q4(kind) || (kind) == 6 || (kind) == 8)
 
 /* ---------------------------------------------------------------- fp16 */
 
@@ -202,6 +205,29 @@ static int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int 
     return 0;
 }
 
+/* The block products take each activation row in two levels of int16 codes per block of 32, x = d1 q1 + d2 q2: the
+ * codes of the row itself (quantize_row16's, d1 = absmax / 32767), then those of what they leave, x - d1 q1 (at most
+ * d1 / 2). In one level a block holding one large value leaves its small values few significant bits: every value
+ * is off by up to 1 / 65534 of the block's largest, which moved SmolLM2's teacher-forced log-probabilities by 3.5e-3
+ * and Gemma 3's by 1.6e-3 against fp32 activations. Two levels keep each value within 2^-31 of its block's largest
+ * (with the remainder's own fp32 rounding, 2^-24 of the value): an fp32 matmul's precision. The kernels take the
+ * levels as two rows of codes each and sum each pair's products into one output.
+ * rows [2M, K]: row 2r is x's row r, row 2r + 1 its remainder after the first level (quantize_row16's rounding: the
+ * same products and the same rounding to nearest, ties to even). */
+static void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        float *first = rows + 2 * r * K, *rest = first + K;
+        memcpy(first, xr, (size_t)K * sizeof(float));
+        for (int64_t b = 0; b < K; b += QK) {
+            float max = 0.0f;
+            for (int i = 0; i < QK; i++) max = fabsf(xr[b + i]) > max ? fabsf(xr[b + i]) : max;
+            const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+            for (int i = 0; i < QK; i++) rest[b + i] = xr[b + i] - nearbyintf(xr[b + i] * inv) * db;
+        }
+    }
+}
+
 #ifdef NT_AVX2
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -259,20 +285,27 @@ static inline __m512 exp512_ps(__m512 x) {
 #define MAX_GROUPS 1024 /* blocks per row: input sizes up to 32768 */
 
 #ifdef NT_AVX2
-/* half_scale over whole vectors, for groups >= 8: a last partial vector is the row's last 8 groups, its lanes
+/* 8 block scales from h at g: fp16, or fp32 where `f32`. */
+static inline __m256 scales_at(const void *h, int f32, int64_t g) {
+    return f32 ? _mm256_loadu_ps((const float *)h + g)
+               : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)h + g)));
+}
+
+/* block_scales over whole vectors, for groups >= 8: a last partial vector is the row's last 8 groups, its lanes
  * already counted masked out of the sum (its products are the same values again), so nothing is read past the row
  * and no scalar tail runs. Returns the sum's 8 partial sums. */
-static inline __m256 half_scale8(const uint16_t *h, const float *x, const float *y, int64_t groups, float *prod) {
+static inline __m256 block_scales8(const void *h, int f32, const float *x, const float *y, int64_t groups,
+                                   float *prod) {
     __m256 acc = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= groups; g += 8) {
-        const __m256 hv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + g)));
+        const __m256 hv = scales_at(h, f32, g);
         if (prod) _mm256_storeu_ps(prod + g, _mm256_mul_ps(hv, _mm256_loadu_ps(x + g)));
         if (y) acc = _mm256_fmadd_ps(hv, _mm256_loadu_ps(y + g), acc);
     }
     if (g < groups) {
         const int64_t at = groups - 8;
-        const __m256 hv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + at)));
+        const __m256 hv = scales_at(h, f32, at);
         if (prod) _mm256_storeu_ps(prod + at, _mm256_mul_ps(hv, _mm256_loadu_ps(x + at)));
         if (y) {
             const __m256 fresh = _mm256_castsi256_ps(_mm256_cmpgt_epi32( /* lanes at + lane >= g */
@@ -284,17 +317,19 @@ static inline __m256 half_scale8(const uint16_t *h, const float *x, const float 
 }
 #endif
 
-/* prod[g] = h[g] * x[g] for fp16 h; returns sum of h[g] * y[g] when y is given. */
-static inline float half_scale(const uint16_t *h, const float *x, const float *y, int64_t groups, float *prod) {
+/* prod[g] = h[g] * x[g] for block scales h (fp16, or fp32 where `f32`); returns sum of h[g] * y[g] when y is given,
+ * in one fixed order. */
+static inline float block_scales(const void *h, int f32, const float *x, const float *y, int64_t groups,
+                                 float *prod) {
 #ifdef NT_AVX2
     if (groups >= 8) {
-        const __m256 acc = half_scale8(h, x, y, groups, prod);
+        const __m256 acc = block_scales8(h, f32, x, y, groups, prod);
         return y ? hsum_ps(acc) : 0.0f;
     }
 #endif
     float dot = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
-        const float hv = half_to_float(h[g]);
+        const float hv = f32 ? ((const float *)h)[g] : half_to_float(((const uint16_t *)h)[g]);
         if (prod) prod[g] = hv * x[g];
         if (y) dot += hv * y[g];
     }
@@ -303,14 +338,9 @@ static inline float half_scale(const uint16_t *h, const float *x, const float *y
 
 /* ------------------------------------------------------ block products */
 
-/* Weight formats (kind):
- *   4 (Q4): qs uint8 [N, K / 2] nibbles, d and m fp16 [N, K / 32]; w = d * q + m. Byte j of a block holds element j
- *     in its low nibble and element j + 16 in its high one (GGML's order).
- *   8 (Q8): qs int8 [N, K], d fp16 [N, K / 32]; w = d * q.
- *   6 (Q8 in halves): qs int8 [N, K], d fp32 [N, K / 16]; w = d * q. Holds a Q6_K block exactly (its 16-value
- *     sub-blocks' scales, d * sc, need more bits than fp16 has; codes -32..31).
- * Activations are quantized to int16 blocks of 32; weights are widened to int16, so each block is two 16-bit
- * multiply-add instructions per row and the result is within 2e-5 of an fp32 matmul over the dequantized weight.
+/* Weights in the formats of nt_block_matmul (kind) against activations in two levels of int16 codes per 32 values
+ * (split_levels): weights are widened to int16, so each block is two 16-bit multiply-add instructions per row of
+ * codes, and the result is within fp32 rounding of an fp32 matmul over the dequantized weight.
  * Per weight row, the products of weight and activation block scales are formed first (vectorized), so the inner
  * loop is integer products and one multiply-add per block. Inlined for each constant number of activation rows T, so
  * that the accumulators stay in registers. */
@@ -332,7 +362,7 @@ static inline __attribute__((always_inline)) void unpack_q4(const void *qs, int6
 /* Scales for weight row n and activation row r: scale[g] = d_w[g] * d_x[g] (kind 6: per half block, [2g], [2g + 1]);
  * returns the row's Q4 offset term sum_g m[g] * s_x[g] (0 for the int8 kinds). */
 static inline float row_scales(int kind, const quantized_rows *x, int64_t r, int64_t groups, const void *wd,
-                               const uint16_t *wm, int64_t n, float *scale) {
+                               const void *wm, int64_t n, float *scale) {
     const float *xd = x->d + r * groups;
     if (kind == 6) {
         const float *d = (const float *)wd + n * 2 * groups;
@@ -340,10 +370,13 @@ static inline float row_scales(int kind, const quantized_rows *x, int64_t r, int
             scale[2 * g] = d[2 * g] * xd[g];
             scale[2 * g + 1] = d[2 * g + 1] * xd[g];
         }
-    } else {
-        half_scale((const uint16_t *)wd + n * groups, xd, NULL, groups, scale);
+        return 0.0f;
     }
-    return kind == 4 ? half_scale(wm + n * groups, NULL, x->s + r * groups, groups, NULL) : 0.0f;
+    const int f32 = kind == 5, bytes = f32 ? 4 : 2;
+    block_scales((const uint8_t *)wd + n * groups * bytes, f32, xd, NULL, groups, scale);
+    return IS_Q4(kind) ? block_scales((const uint8_t *)wm + n * groups * bytes, f32, NULL, x->s + r * groups, groups,
+                                      NULL)
+                       : 0.0f;
 }
 
 #ifdef NT_AVX2
@@ -358,7 +391,7 @@ static inline __attribute__((always_inline)) void block_into(int kind, int halve
         xa[i] = _mm256_loadu_si256((const __m256i *)a);
         xb[i] = _mm256_loadu_si256((const __m256i *)(a + 16));
     }
-    if (kind == 4) {
+    if (IS_Q4(kind)) {
         __m256i wa, wb;
         unpack_q4(qs, n, K, g, &wa, &wb);
         for (int i = 0; i < T; i++) {
@@ -413,14 +446,15 @@ static inline __attribute__((always_inline)) void pair_into(const quantized_rows
 }
 #endif
 
-/* out[r0 + i, n] for i < T and every weight row n in [n0, n1), one weight row at a time, in the order the rows lie
- * in memory; several activation rows (T > 1) share each unpacked weight block, with two chains per row (even and
+/* out[(r0 + i) / 2, n] for the rows of codes i < T (T even: both levels of T / 2 activation rows, see split_levels)
+ * and every weight row n in [n0, n1), one weight row at a time, in the order the rows lie in memory; the rows of
+ * codes share each unpacked weight block, with two chains per row (even and
  * odd blocks) where there are few. Four weight rows at a time for one activation row (its codes loaded once per
  * block for the four's chains) was as fast in cache, but with the weights streaming a whole SmolLM2 decode step (all
  * Q4_1) took 1.23x as long, on this route (built without AVX-512) and on the VNNI one alike (alternating in one
  * process, medians of 10 rounds): reading four rows side by side defeats the hardware's stream prefetch. */
 static inline __attribute__((always_inline)) void tile(int kind, const quantized_rows *x, int64_t r0, const int T,
-                                                       int64_t K, const void *qs, const void *wd, const uint16_t *wm,
+                                                       int64_t K, const void *qs, const void *wd, const void *wm,
                                                        int64_t n0, int64_t n1, float *out, int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == 6 ? 2 : 1;
     float scale[TILE][2 * MAX_GROUPS], offset[TILE];
@@ -430,13 +464,13 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
         /* The weight row after the next, into cache while this one is computed: the hardware prefetcher alone left
          * a 262k-row head (Gemma 3's, 168 MB) at 8.3 ms a pass, 7.3 ms with this. A prefetch never faults, so rows
          * past the end need no check. */
-        const int64_t row_bytes = kind == 4 ? K / 2 : K;
+        const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K;
         for (int64_t b = 0; b < row_bytes; b += 64)
             _mm_prefetch((const char *)qs + (n + 2) * row_bytes + b, _MM_HINT_T0);
         __m256 acc[TILE][2];
         for (int i = 0; i < T; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
         int64_t g = 0;
-        if (kind == 4) { /* blocks in pairs; two chains per output where there are few outputs */
+        if (IS_Q4(kind)) { /* blocks in pairs; two chains per output where there are few outputs */
             if (T < 4)
                 for (; g + 4 <= groups; g += 4) {
                     pair_into(x, r0, T, K, qs, n, g, scale, acc, 0);
@@ -450,7 +484,11 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
             }
         }
         for (; g < groups; g++) block_into(kind, halves, x, r0, T, K, qs, n, g, scale, acc, 0);
-        for (int i = 0; i < T; i++) out[(r0 + i) * ldo + n] = hsum_ps(_mm256_add_ps(acc[i][0], acc[i][1])) + offset[i];
+        for (int i = 0; i < T; i += 2) { /* the two levels of one activation row */
+            const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
+                                             _mm256_add_ps(acc[i + 1][0], acc[i + 1][1]));
+            out[((r0 + i) >> 1) * ldo + n] = hsum_ps(sum) + (offset[i] + offset[i + 1]);
+        }
 #else
         for (int i = 0; i < T; i++) {
             const int16_t *a = x->q + (r0 + i) * K;
@@ -459,18 +497,19 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
                 int32_t sum[2] = {0, 0}; /* elements 0..15, 16..31 */
                 for (int e = 0; e < QK; e++) {
                     int w;
-                    if (kind == 4) {
+                    if (IS_Q4(kind)) {
                         const uint8_t byte = ((const uint8_t *)qs)[n * (K / 2) + g * 16 + e % 16];
                         w = e < 16 ? byte & 0x0F : byte >> 4;
                     } else {
                         w = ((const int8_t *)qs)[n * K + g * QK + e];
                     }
-                    sum[e / 16] += w * a[kind == 4 ? q4_position(g, e, groups) : g * QK + e];
+                    sum[e / 16] += w * a[IS_Q4(kind) ? q4_position(g, e, groups) : g * QK + e];
                 }
                 if (halves == 2) acc += (float)sum[0] * scale[i][2 * g] + (float)sum[1] * scale[i][2 * g + 1];
                 else acc += (float)(sum[0] + sum[1]) * scale[i][g];
             }
-            out[(r0 + i) * ldo + n] = acc + offset[i];
+            if (i & 1) out[((r0 + i) >> 1) * ldo + n] += acc + offset[i]; /* the second level */
+            else out[((r0 + i) >> 1) * ldo + n] = acc + offset[i];
         }
 #endif
     }
@@ -543,45 +582,58 @@ static inline __m256 fold_ps(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* out[n] for n in [n0, n1), one weight row at a time (see tile), from one activation row in quads (x->d, x->s per
- * block). A last partial quad of a row is read through a byte mask: nothing past the weight is read, the missing
- * blocks' nibbles are zeros (so are their products, whatever their activation bytes) and their scales are zeros. */
-static void q4_vnni_rows(const uint8_t *xq, const quantized_rows *x, int64_t K, const void *qs, const uint16_t *wd,
-                         const uint16_t *wm, int64_t n0, int64_t n1, float *out) {
-    const int64_t groups = K / QK, whole = groups / 4, row_bytes = K / 2;
+/* out[n] for n in [n0, n1), one weight row at a time (see tile), from both levels of one activation row in quads
+ * (level 1's quads, then level 2's; x->d, x->s per block, level 1's then level 2's). A last partial quad of a row is
+ * read through a byte mask: nothing past the weight is read, the missing blocks' nibbles are zeros (so are their
+ * products, whatever their activation bytes) and their scales are zeros. */
+static inline __attribute__((always_inline)) void q4_vnni_rows(const int kind, const uint8_t *xq,
+                                                                const quantized_rows *x, int64_t K, const void *qs,
+                                                                const void *wd, const void *wm, int64_t n0,
+                                                                int64_t n1, float *out) {
+    const int64_t groups = K / QK, whole = groups / 4, quads = (groups + 3) / 4, row_bytes = K / 2;
     const __mmask64 tail = ((__mmask64)1 << (16 * (groups % 4))) - 1;
-    float scale[2 * MAX_GROUPS];
-    memset(scale + groups, 0, 4 * sizeof(float)); /* the last quad's missing blocks */
+    float scale[2][MAX_GROUPS + 4];
+    memset(scale[0] + groups, 0, 4 * sizeof(float)); /* the last quad's missing blocks */
+    memset(scale[1] + groups, 0, 4 * sizeof(float));
+    const uint8_t *second = xq + quads * QUAD_BYTES;
     for (int64_t n = n0; n < n1; n++) {
-        const float offset = row_scales(4, x, 0, groups, wd, wm, n, scale);
+        const float offset = row_scales(kind, x, 0, groups, wd, wm, n, scale[0]) +
+                             row_scales(kind, x, 1, groups, wd, wm, n, scale[1]);
         for (int64_t b = 0; b < row_bytes; b += 64) /* as tile() does */
             _mm_prefetch((const char *)qs + (n + 2) * row_bytes + b, _MM_HINT_T0);
         const uint8_t *w = (const uint8_t *)qs + n * row_bytes;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < whole; g++)
-            acc = quad_into(_mm512_loadu_si512(w + g * 64), xq + g * QUAD_BYTES, scale + 4 * g, acc);
-        if (groups % 4)
-            acc = quad_into(_mm512_maskz_loadu_epi8(tail, w + whole * 64), xq + whole * QUAD_BYTES, scale + 4 * whole,
-                            acc);
-        out[n] = hsum_ps(fold_ps(acc)) + offset;
+        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+        for (int64_t g = 0; g < whole; g++) {
+            const __m512i v = _mm512_loadu_si512(w + g * 64);
+            acc0 = quad_into(v, xq + g * QUAD_BYTES, scale[0] + 4 * g, acc0);
+            acc1 = quad_into(v, second + g * QUAD_BYTES, scale[1] + 4 * g, acc1);
+        }
+        if (groups % 4) {
+            const __m512i v = _mm512_maskz_loadu_epi8(tail, w + whole * 64);
+            acc0 = quad_into(v, xq + whole * QUAD_BYTES, scale[0] + 4 * whole, acc0);
+            acc1 = quad_into(v, second + whole * QUAD_BYTES, scale[1] + 4 * whole, acc1);
+        }
+        out[n] = hsum_ps(fold_ps(_mm512_add_ps(acc0, acc1))) + offset;
     }
 }
 
-/* nt_block_matmul for one activation row and Q4 weights. */
-static int q4_vnni(const float *x, int64_t K, int64_t N, const void *qs, const void *d, const uint16_t *m,
+/* nt_block_matmul for one activation row and Q4 weights (kind 4 or 5): levels [2, K] (split_levels). */
+static int q4_vnni(int kind, const float *levels, int64_t K, int64_t N, const void *qs, const void *d, const void *m,
                    float *out, int threads) {
     const int64_t groups = K / QK, quads = (groups + 3) / 4;
-    quantized_rows xq = {NULL, NULL, NULL, malloc((size_t)(quads * QUAD_BYTES + 2 * groups * 4) + 64)};
+    quantized_rows xq = {NULL, NULL, NULL, malloc((size_t)(2 * quads * QUAD_BYTES + 4 * groups * 4) + 64)};
     if (!xq.block) return -1;
     uint8_t *codes = (uint8_t *)xq.block;
-    xq.d = (float *)(codes + quads * QUAD_BYTES);
-    xq.s = xq.d + groups;
-    quantize_row_quads(x, K, codes, xq.d, xq.s);
+    xq.d = (float *)(codes + 2 * quads * QUAD_BYTES);
+    xq.s = xq.d + 2 * groups;
+    quantize_row_quads(levels, K, codes, xq.d, xq.s);
+    quantize_row_quads(levels + K, K, codes + quads * QUAD_BYTES, xq.d + groups, xq.s + groups);
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-        q4_vnni_rows(codes, &xq, K, qs, (const uint16_t *)d, m, n0, n1, out);
+        if (kind == 5) q4_vnni_rows(5, codes, &xq, K, qs, d, m, n0, n1, out);
+        else q4_vnni_rows(4, codes, &xq, K, qs, d, m, n0, n1, out);
     }
     free(xq.block);
     return 0;
@@ -601,9 +653,9 @@ static inline __attribute__((always_inline)) __m512 q8_block_vnni(const int halv
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
 }
 
-/* One activation row against int8 weights (kind 8, or 6: Q8 in halves), the int16 codes of both in vpdpwssd: a
- * block of 32 is one 512-bit load of the activations, one widening load of the weights and one multiply-add of
- * pairs, where the AVX2 route takes two of each; two chains (even and odd blocks) per weight row. The same integer
+/* One activation row (its two levels: rows 0 and 1 of x) against int8 weights (kind 8, or 6: Q8 in halves), the
+ * int16 codes of both in vpdpwssd: a block of 32 is one 512-bit load of the activations, one widening load of the
+ * weights and one multiply-add of pairs, where the AVX2 route takes two of each; a chain per level. The same integer
  * sums as that route. Against it, alternating in one process (medians of 10 rounds): Gemma 3's Q8_0 head streamed
  * 1.12x (0.82-1.63x), its int8 projections at one row 1.04x. Four weight rows at a time (as Q4 then had, see
  * tile) was 7% faster in cache but 2.3x slower streamed, the int16 route's tiles too. */
@@ -611,56 +663,69 @@ static inline __attribute__((always_inline)) void q8_rows_vnni(const int kind, c
                                                                 const int8_t *qs, const void *wd, int64_t n0,
                                                                 int64_t n1, float *out) {
     const int64_t groups = K / QK, halves = kind == 6, per = halves ? 2 : 1;
-    float scale[2 * MAX_GROUPS];
+    float scale[2][2 * MAX_GROUPS];
+    const int16_t *a0 = x->q, *a1 = x->q + K;
     for (int64_t n = n0; n < n1; n++) {
-        row_scales(kind, x, 0, groups, wd, NULL, n, scale);
+        row_scales(kind, x, 0, groups, wd, NULL, n, scale[0]);
+        row_scales(kind, x, 1, groups, wd, NULL, n, scale[1]);
         for (int64_t b = 0; b < K; b += 64) _mm_prefetch((const char *)qs + (n + 2) * K + b, _MM_HINT_T0);
         const int8_t *w = qs + n * K;
         __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        int64_t g = 0;
-        for (; g + 2 <= groups; g += 2) {
-            acc0 = q8_block_vnni(halves, w + g * QK, x->q + g * QK, scale + g * per, acc0);
-            acc1 = q8_block_vnni(halves, w + (g + 1) * QK, x->q + (g + 1) * QK, scale + (g + 1) * per, acc1);
+        for (int64_t g = 0; g < groups; g++) {
+            acc0 = q8_block_vnni(halves, w + g * QK, a0 + g * QK, scale[0] + g * per, acc0);
+            acc1 = q8_block_vnni(halves, w + g * QK, a1 + g * QK, scale[1] + g * per, acc1);
         }
-        if (g < groups) acc0 = q8_block_vnni(halves, w + g * QK, x->q + g * QK, scale + g * per, acc0);
         out[n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     }
 }
 #endif
 
-/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times a block-quantized weight [N, K]^T (kind 4, 8 or
- * 6; m only for Q4). Returns 0, or -1 when K is not a multiple of 32 (or too large) or memory runs out. */
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) times a block-quantized weight [N, K]^T, the activations
+ * in two levels of int16 codes (split_levels). Weight formats (kind):
+ *   4 (Q4): qs uint8 [N, K / 2] nibbles, d and m fp16 [N, K / 32]; w = d * q + m. Byte j of a block holds element j
+ *     in its low nibble and element j + 16 in its high one (GGML's order). Holds Q4_0 and Q4_1 blocks exactly.
+ *   5 (Q4 with fp32 scales): as 4, d and m fp32. Holds Q4_K blocks exactly: their 32-value sub-blocks' scales and
+ *     offsets, d * sc and dmin * mn (an fp16 times a 6-bit integer), need up to 17 bits.
+ *   8 (Q8): qs int8 [N, K], d fp16 [N, K / 32]; w = d * q.
+ *   6 (Q8 in halves): qs int8 [N, K], d fp32 [N, K / 16]; w = d * q. Holds a Q6_K block exactly (its 16-value
+ *     sub-blocks' scales, d * sc, need more bits than fp16 has; codes -32..31).
+ * Returns 0, or -1 for an unknown kind, K not a multiple of 32 (or too large), or no memory. */
 int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                    const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
-    quantized_rows xq;
-    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || K / QK > MAX_GROUPS) return -1;
+                    const void *d, const void *m, float *out, int64_t ldo, int threads) {
+    if (!KNOWN_KIND(kind) || K % QK || K / QK > MAX_GROUPS) return -1;
+    float *levels = malloc((size_t)(2 * M * K) * sizeof(float) + 64);
+    if (!levels) return -1;
+    split_levels(x, M, K, ldx, levels);
 #ifdef NT_VNNI512
-    if (kind == 4 && M == 1) return q4_vnni(x, K, N, qs, d, m, out, threads);
+    if (IS_Q4(kind) && M == 1) {
+        const int status = q4_vnni(kind, levels, K, N, qs, d, m, out, threads);
+        free(levels);
+        return status;
+    }
 #endif
-    if (quantize_rows(x, M, K, ldx, kind == 4, &xq)) return -1;
+    quantized_rows xq;
+    const int status = quantize_rows(levels, 2 * M, K, K, IS_Q4(kind), &xq);
+    free(levels);
+    if (status) return -1;
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #ifdef NT_VNNI512
-        if (kind != 4 && M == 1) {
+        if (!IS_Q4(kind) && M == 1) {
             if (kind == 8) q8_rows_vnni(8, &xq, K, (const int8_t *)qs, d, n0, n1, out);
             else q8_rows_vnni(6, &xq, K, (const int8_t *)qs, d, n0, n1, out);
             continue;
         }
 #endif
-        for (int64_t r0 = 0; r0 < M; r0 += TILE) {
-            const int64_t t = M - r0 < TILE ? M - r0 : TILE;
+        for (int64_t r0 = 0; r0 < 2 * M; r0 += TILE) { /* rows of codes, both levels of TILE / 2 activation rows */
 #define NT_TILE(T)                                                                             \
     if (kind == 4) tile(4, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                          \
+    else if (kind == 5) tile(5, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                     \
     else if (kind == 8) tile(8, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);                     \
     else tile(6, &xq, r0, T, K, qs, d, m, n0, n1, out, ldo);
-            switch (t) {
-            case 1: NT_TILE(1) break;
-            case 2: NT_TILE(2) break;
-            case 3: NT_TILE(3) break;
-            default: NT_TILE(4) break;
-            }
+            if (2 * M - r0 < TILE) { NT_TILE(2) }
+            else { NT_TILE(TILE) }
 #undef NT_TILE
         }
     }
@@ -817,15 +882,16 @@ void nt_matmul_rowmajor(const float *x, int64_t M, int64_t K, int64_t ldx, const
     }
 }
 
-/* Row n of a block-quantized weight (kind 4, 8 or 6; see nt_block_matmul) as fp32: d * q (+ m). */
-static void dequantize_row(int kind, const void *qs, const void *wd, const uint16_t *wm, int64_t n, int64_t K,
+/* Row n of a block-quantized weight (kind 4, 5, 8 or 6; see nt_block_matmul) as fp32: d * q (+ m). */
+static void dequantize_row(int kind, const void *qs, const void *wd, const void *wm, int64_t n, int64_t K,
                            float *dst) {
     const int64_t groups = K / QK;
-    if (kind == 4) {
+    if (IS_Q4(kind)) {
         const uint8_t *q = (const uint8_t *)qs + n * (K / 2);
         for (int64_t g = 0; g < groups; g++) {
-            const float d = half_to_float(((const uint16_t *)wd)[n * groups + g]);
-            const float m = half_to_float(wm[n * groups + g]);
+            const int64_t at = n * groups + g;
+            const float d = kind == 5 ? ((const float *)wd)[at] : half_to_float(((const uint16_t *)wd)[at]);
+            const float m = kind == 5 ? ((const float *)wm)[at] : half_to_float(((const uint16_t *)wm)[at]);
             for (int i = 0; i < QK / 2; i++) {
                 dst[g * QK + i] = d * (float)(q[g * QK / 2 + i] & 0x0F) + m;
                 dst[g * QK + QK / 2 + i] = d * (float)(q[g * QK / 2 + i] >> 4) + m;
@@ -895,13 +961,13 @@ void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int thre
 }
 
 /* Rows first..first+N-1 of a packed weight (nt_sgemm_pack's panels, K values a row) from N block-quantized rows
- * (kind 4, 6 or 8; see nt_block_matmul), dequantized as nt_block_gemm does: the panels straight from the blocks,
+ * (kind 4, 5, 6 or 8; see nt_block_matmul), dequantized as nt_block_gemm does: the panels straight from the blocks,
  * with no dense fp32 copy on the way. Rows of a panel outside [first, first + N) are left as they are (another
  * part's, or padding the caller zeroes). Returns 0, or -1 for an unknown kind, K not a multiple of 32, or no
  * memory. */
-int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const uint16_t *m, int64_t N, int64_t K,
+int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const void *m, int64_t N, int64_t K,
                          float *packed, int64_t first, int threads) {
-    if ((kind != 4 && kind != 6 && kind != 8) || K % QK || first < 0 || N < 0) return -1;
+    if (!KNOWN_KIND(kind) || K % QK || first < 0 || N < 0) return -1;
     const int64_t p0 = first / SG_COLS, p1 = (first + N + SG_COLS - 1) / SG_COLS;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && p1 - p0 > 1)
@@ -1006,7 +1072,7 @@ static inline void transpose16_epi32(__m512i r[16]) {
 static __m512i ig_pair_order(int kind) {
     int16_t at[32];
     for (int i = 0; i < 32; i++)
-        at[i] = (int16_t)(kind == 4 ? 4 * (i / 8) + (i / 2) % 2 + 16 * ((i / 4) % 2) + 2 * (i % 2)
+        at[i] = (int16_t)(IS_Q4(kind) ? 4 * (i / 8) + (i / 2) % 2 + 16 * ((i / 4) % 2) + 2 * (i % 2)
                                     : 4 * (i / 4) + (i / 2) % 2 + 2 * (i % 2)); /* code of pair i / 2, item i % 2 */
     return _mm512_loadu_si512(at); /* for vpermw: slot i takes code at[i] */
 }
@@ -1086,18 +1152,18 @@ static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float 
  * as stored, 4 to a 32-bit lane: int8 codes 4q..4q + 3 in lane q, a Q4 group's low nibbles 4j..4j + 3 and high
  * ones 4j + 16.. in lane j. int16 panels (`bytes` 0) widen those by shifts and masks into the pairs of
  * ig_pair_order; byte panels keep them, in natural order, with each scale group's bias. */
-static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const uint16_t *m, int64_t n0, int64_t N,
+static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const void *m, int64_t n0, int64_t N,
                        int64_t K, const gemm_panels *p, int prefetch, const int32_t *outliers, int64_t nout) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, per = kind == 6 ? 4 : 8;
     if (prefetch) { /* the next panel's rows into L2 */
-        const int64_t row_bytes = kind == 4 ? K / 2 : K;
+        const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K;
         const int64_t end = (n0 + 64 < N ? n0 + 64 : N) * row_bytes;
         for (int64_t b = (n0 + 32) * row_bytes; b < end; b += 64) _mm_prefetch((const char *)qs + b, _MM_HINT_T1);
     }
     const __m512i nibble = _mm512_set1_epi8(0x0F), low = _mm512_set1_epi16(0x00FF), ones = _mm512_set1_epi8(1);
     for (int h = 0; h < 2; h++) {
         __m512i *vecs = (__m512i *)p->codes[h];
-        if (kind != 4) { /* int8 codes, 64 per row at a time (or one last group of 32) */
+        if (!IS_Q4(kind)) { /* int8 codes, 64 per row at a time (or one last group of 32) */
             for (int64_t c = 0; c < K; c += 64) {
                 const int full = K - c >= 64;
                 __m512i r[16];
@@ -1156,33 +1222,36 @@ static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const
             for (int64_t g = 0; g < sg; g++) {
                 float scale = 0.0f;
                 if (n < N)
-                    scale = kind == 6 ? ((const float *)d)[n * sg + g]
-                                      : half_to_float(((const uint16_t *)d)[n * groups + g]);
+                    scale = kind == 6 || kind == 5 ? ((const float *)d)[n * sg + g]
+                                                   : half_to_float(((const uint16_t *)d)[n * groups + g]);
                 p->scale[h][g * 16 + i] = scale;
             }
-            if (kind == 4)
+            if (IS_Q4(kind))
                 for (int64_t g = 0; g < groups; g++)
-                    p->offset[h][g * 16 + i] = n < N ? half_to_float(m[n * groups + g]) : 0.0f;
+                    p->offset[h][g * 16 + i] = n >= N ? 0.0f
+                                               : kind == 5 ? ((const float *)m)[n * groups + g]
+                                                           : half_to_float(((const uint16_t *)m)[n * groups + g]);
         }
         /* The outlier columns' weights of these 16 rows, from the codes and scales just laid out (bytes): the code
          * of column c sits in byte c % 4 of each row's 32-bit lane of one vector. */
         for (int64_t j = 0; j < nout; j++) {
             const int64_t c = outliers[j], g = c / QK, i = c % QK, shift = 8 * (c % 4);
-            const __m512i lanes = _mm512_loadu_si512(kind == 4 ? vecs + g * 8 + (i % 16) / 4 + (i >= 16 ? 4 : 0)
+            const __m512i lanes = _mm512_loadu_si512(IS_Q4(kind) ? vecs + g * 8 + (i % 16) / 4 + (i >= 16 ? 4 : 0)
                                                                : vecs + c / 4);
-            const __m512i q = kind == 4 ? _mm512_and_si512(_mm512_srli_epi32(lanes, (unsigned)shift),
+            const __m512i q = IS_Q4(kind) ? _mm512_and_si512(_mm512_srli_epi32(lanes, (unsigned)shift),
                                                            _mm512_set1_epi32(0xFF))
                                         : _mm512_srai_epi32(_mm512_slli_epi32(lanes, (unsigned)(24 - shift)), 24);
             const __m512 scale = _mm512_loadu_ps(p->scale[h] + (kind == 6 ? c / 16 : g) * 16);
             __m512 w = _mm512_mul_ps(scale, _mm512_cvtepi32_ps(q));
-            if (kind == 4) w = _mm512_add_ps(w, _mm512_loadu_ps(p->offset[h] + g * 16));
+            if (IS_Q4(kind)) w = _mm512_add_ps(w, _mm512_loadu_ps(p->offset[h] + g * 16));
             _mm512_storeu_ps(p->outlier[h] + j * 16, w);
         }
     }
 }
 
-/* out rows r0..r0 + T - 1, columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (activation codes `codes`,
- * [M, K], int16 or bytes, with their scales xd and Q4 sums xs per group) by the panels. Either way a step takes 4
+/* out rows r0..r0 + T - 1 (int16 codes: rows r0 / 2..(r0 + T) / 2 - 1, each from two rows of codes, its levels),
+ * columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (activation codes `codes`, [M, K], int16 or bytes, with
+ * their scales xd and Q4 sums xs per group) by the panels. Either way a step takes 4
  * bytes of each row's codes against a 64-byte vector of each panel: a pair of int16 codes in vpdpwssd, or 4 byte
  * codes in vpdpbusd (Q4's codes the unsigned side; int8 codes against the activations plus 128, from the bias). */
 static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes, const int T, const void *codes,
@@ -1197,7 +1266,7 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
     for (int64_t s = 0; s < sg; s++) {
         const int64_t g = kind == 6 ? s / 2 : s; /* the activations' scale group */
         __m512i a[IG_ROWS][2];
-        const int biased = bytes && kind != 4;
+        const int biased = bytes && !IS_Q4(kind);
         const __m512i b0 = biased ? _mm512_loadu_si512(p->bias[0] + s * 16) : _mm512_setzero_si512();
         const __m512i b1 = biased ? _mm512_loadu_si512(p->bias[1] + s * 16) : _mm512_setzero_si512();
         for (int t = 0; t < T; t++) a[t][0] = b0, a[t][1] = b1;
@@ -1216,7 +1285,7 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
                 if (!bytes) {
                     a[t][0] = _mm512_dpwssd_epi32(a[t][0], v0, x4);
                     a[t][1] = _mm512_dpwssd_epi32(a[t][1], v1, x4);
-                } else if (kind == 4) {
+                } else if (IS_Q4(kind)) {
                     a[t][0] = _mm512_dpbusd_epi32(a[t][0], v0, x4);
                     a[t][1] = _mm512_dpbusd_epi32(a[t][1], v1, x4);
                 } else {
@@ -1231,7 +1300,7 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
             f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][0]), _mm512_mul_ps(d0, dx), f[t][0]);
             f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][1]), _mm512_mul_ps(d1, dx), f[t][1]);
         }
-        if (kind == 4) {
+        if (IS_Q4(kind)) {
             const __m512 m0 = _mm512_loadu_ps(p->offset[0] + s * 16), m1 = _mm512_loadu_ps(p->offset[1] + s * 16);
             for (int t = 0; t < T; t++) {
                 const __m512 sx = _mm512_set1_ps(xs[(r0 + t) * groups + g]);
@@ -1250,6 +1319,14 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
     }
     const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
     const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    if (!bytes) { /* int16 codes: rows r0 + t and r0 + t + 1 are the two levels of activation row (r0 + t) / 2 */
+        for (int t = 0; t < T; t += 2) {
+            float *o = out + ((r0 + t) >> 1) * ldo + n0;
+            _mm512_mask_storeu_ps(o, k0, _mm512_add_ps(f[t][0], f[t + 1][0]));
+            _mm512_mask_storeu_ps(o + 16, k1, _mm512_add_ps(f[t][1], f[t + 1][1]));
+        }
+        return;
+    }
     for (int t = 0; t < T; t++) {
         _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0, k0, f[t][0]);
         _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0 + 16, k1, f[t][1]);
@@ -1264,20 +1341,19 @@ static inline __attribute__((always_inline)) void gemm_rows(int kind, int bytes,
     int64_t r0 = 0;
     for (; r0 + IG_ROWS <= M; r0 += IG_ROWS)
         gemm_tile(kind, bytes, IG_ROWS, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout);
-    switch (M - r0) {
-    case 1: gemm_tile(kind, bytes, 1, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    switch (M - r0) { /* int16 codes: M is even, so is what is left */
+    case 1: if (bytes) gemm_tile(kind, 1, 1, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
     case 2: gemm_tile(kind, bytes, 2, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
-    case 3: gemm_tile(kind, bytes, 3, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    case 3: if (bytes) gemm_tile(kind, 1, 3, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
     case 4: gemm_tile(kind, bytes, 4, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
-    case 5: gemm_tile(kind, bytes, 5, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    case 5: if (bytes) gemm_tile(kind, 1, 5, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
     default: break;
     }
 }
 
-/* The GEMM over block weights, with int16 activation codes or (`bytes`) int8 ones, these without the outlier
- * columns (outlier_columns), whose products are added in fp32. */
-static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
-                            const void *qs, const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+/* block_gemm_codes (below) over M rows of x as they are (int16: M rows of codes, both levels of M / 2 rows of out). */
+static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
+                           const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads) {
     const int64_t groups = K / QK, sg = kind == 6 ? 2 * groups : groups, width = bytes ? 1 : 2;
     int32_t outliers[OUTLIER_MAX];
     int64_t nout = 0;
@@ -1317,7 +1393,7 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             if (bytes) {
-                quantize_row8(x + r * ldx, K, (int8_t *)codes + r * K, xd + r * groups, xs + r * groups, kind != 4,
+                quantize_row8(x + r * ldx, K, (int8_t *)codes + r * K, xd + r * groups, xs + r * groups, !IS_Q4(kind),
                               nout ? skip : NULL);
                 for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
                 continue;
@@ -1349,6 +1425,7 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
             gemm_widen(kind, bytes, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, outliers, nout);
 #define NT_GEMM_ROWS(B)                                                                                   \
     if (kind == 4) gemm_rows(4, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);                \
+    else if (kind == 5) gemm_rows(5, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);           \
     else if (kind == 8) gemm_rows(8, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);           \
     else gemm_rows(6, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);
             if (bytes) { NT_GEMM_ROWS(1) } else { NT_GEMM_ROWS(0) }
@@ -1359,6 +1436,21 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
     free(rows);
     return failed ? -1 : 0;
 }
+
+/* The GEMM over block weights, with int16 activation codes in two levels (split_levels) or (`bytes`) int8 ones,
+ * these without the outlier columns (outlier_columns), whose products are added in fp32. */
+static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
+                            const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads) {
+    if (!bytes) { /* the levels as rows of their own, each pair summed into one output row by gemm_tile */
+        float *levels = malloc((size_t)(2 * M * K) * sizeof(float) + 64);
+        if (!levels) return -1;
+        split_levels(x, M, K, ldx, levels);
+        x = levels, M *= 2, ldx = K;
+    }
+    const int status = block_gemm_rows(kind, bytes, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+    if (!bytes) free((void *)x);
+    return status;
+}
 #endif
 
 /* nt_block_matmul's product through a GEMM, for batches bound by compute: with AVX-512 VNNI the int16 one
@@ -1366,8 +1458,8 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
  * few percent of the multiply-adds at 64 rows) and runs every row tile of x over it. Either way no fp32 copy of the
  * weight is kept. Returns 0, or -1 as nt_block_matmul. */
 int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                  const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
-    if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
+                  const void *d, const void *m, float *out, int64_t ldo, int threads) {
+    if (!KNOWN_KIND(kind) || K % QK) return -1;
 #ifdef NT_VNNI512
     return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #endif
@@ -1401,9 +1493,9 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
  * where int16 gives 100% (transformers in bf16: 98.4% / 97.8%, KL 1.4e-3 / 5.6e-4). Elsewhere the same as
  * nt_block_gemm. */
 int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                   const void *d, const uint16_t *m, float *out, int64_t ldo, int threads) {
+                   const void *d, const void *m, float *out, int64_t ldo, int threads) {
 #ifdef NT_VNNI512
-    if ((kind != 4 && kind != 6 && kind != 8) || K % QK) return -1;
+    if (!KNOWN_KIND(kind) || K % QK) return -1;
     return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #else
     return nt_block_gemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
@@ -2022,7 +2114,7 @@ static void store_row(void *data, uint16_t *scales, int64_t kind, int64_t at, co
 typedef struct {
     int64_t kind, n, k; /* see nt_block_matmul */
     const void *qs, *d;
-    const uint16_t *m;
+    const void *m;
 } nt_part;
 
 /* A projection as up to 4 stacked parts (rows of the output), each in its own format: a fused QKV projection whose
