@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE),
-/tokenize, /detokenize, /health, /metrics.
+/tokenize, /detokenize, /health, /metrics, and /openapi.json describing them (`openapi.py`).
 
 `create_app` loads the model and wraps its LLMEngine in an AsyncEngine whose thread runs for the app's lifespan.
 Invariants: every error is an OpenAI error object with the right status and no traceback or path; a request whose
@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from nextoken import __version__
 from nextoken.config import EngineConfig
 from nextoken.engine.async_engine import AsyncEngine, RequestStream
 from nextoken.engine.engine import LLMEngine
@@ -29,6 +30,7 @@ from nextoken.loader.registry import REGISTRY
 from nextoken.server.errors import ApiError, api_error_from, error_body, error_response
 from nextoken.server.generation import Choices, Job, Kind, encode_prompt, prepare, render_messages
 from nextoken.server.metrics import ServerMetrics
+from nextoken.server.openapi import build_openapi
 from nextoken.server.middleware import GuardMiddleware
 from nextoken.server.protocol import (
     MAX_BODY_BYTES,
@@ -69,6 +71,7 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
     if engine_config.model in REGISTRY:
         names.add(engine_config.model)
     state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names))
+    document = build_openapi("nextoken", __version__, api_key=api_key is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,9 +96,12 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
     @app.get("/health")
     async def health() -> Response:
         if state.draining or not state.async_engine.is_running:
-            message = "draining" if state.draining else "the engine is not running"
-            return Response(error_body(503, message), status_code=503, media_type="application/json")
+            return ApiError(503, "draining" if state.draining else "the engine is not running").response()
         return json_response({"status": "ok"})
+
+    @app.get("/openapi.json")
+    async def openapi() -> Response:
+        return json_response(document)
 
     @app.get("/metrics")
     async def metrics() -> Response:

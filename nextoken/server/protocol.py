@@ -162,27 +162,33 @@ class DetokenizeRequest(_Request):
 # --- responses ---------------------------------------------------------------------------------------------------
 
 
-class Usage(BaseModel):
+class _Response(BaseModel):
+    """Closed, and every field present in what the server sends (defaults too): the OpenAPI document says so."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)
+
+
+class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class CompletionLogprobs(BaseModel):
+class CompletionLogprobs(_Response):
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -191,7 +197,7 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-class TopLogprob(BaseModel):
+class TopLogprob(_Response):
     token: str
     logprob: float
     bytes: list[int]
@@ -201,23 +207,23 @@ class TokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]
 
 
-class ChatLogprobs(BaseModel):
+class ChatLogprobs(_Response):
     content: list[TokenLogprob]
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Response):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -226,25 +232,65 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class Delta(BaseModel):
+class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(_Response):
     index: int
     delta: Delta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Response):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    """OpenAI's error object; every non-2xx answer but a 499 (nobody is listening) carries one."""
+
+    error: ErrorDetail
 
 
 # --- parsing -----------------------------------------------------------------------------------------------------
