@@ -39,6 +39,12 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # Tests only: the AVX-512 routes on any x86-64 CPU (emulate512.h; SIMDe's headers, Debian's libsimde-dev). -O1: the
 # emulated intrinsics take minutes to compile at -O3.
 EMULATED_AVX512_FLAGS = ["-O1", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-DNT_EMULATE_AVX512"]
+# With NEXTOKEN_NATIVE_SANITIZE=1 every build adds these (and optimizes at -O1): AddressSanitizer and
+# UndefinedBehaviorSanitizer, any report fatal. The process must preload their runtimes (Python is not built with
+# them): LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)", and
+# ASAN_OPTIONS=detect_leaks=0 (the interpreter's own allocations are never freed). tests/unit/test_sanitized.py.
+# The emulated AVX-512 build stays as it is: SIMDe's intrinsics under AddressSanitizer take minutes to compile.
+SANITIZE_FLAGS = ["-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -67,6 +73,8 @@ def build(source: Path = SOURCE, flags: list[str] | None = None, cache_dir: Path
     """Compile `source` into a shared library (once per source, flags, compiler and CPU) and return its path.
     Raises RuntimeError naming what failed."""
     flags = FLAGS if flags is None else flags
+    if os.environ.get("NEXTOKEN_NATIVE_SANITIZE") == "1" and "-DNT_EMULATE_AVX512" not in flags:
+        flags = [f for f in flags if not f.startswith("-O")] + ["-O1", *SANITIZE_FLAGS]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found (cc or gcc; or set CC)")
@@ -124,16 +132,46 @@ def _check(x: torch.Tensor) -> None:
         raise ValueError(f"native kernels take fp32 CPU rows with unit stride, got {x.dtype} on {x.device}")
 
 
+# The kernels' block formats (nt_block_matmul): codes' dtype, values per code byte, scales' dtype, values per scale.
+BLOCK_FORMATS = {4: (torch.uint8, 2, torch.float16, 32), 5: (torch.uint8, 2, torch.float32, 32),
+                 8: (torch.int8, 1, torch.float16, 32), 6: (torch.int8, 1, torch.float32, 16)}
+
+
+def _check_blocks(kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int, where: str) -> None:
+    """Raise ValueError unless (qs, d, m) are a weight of k inputs in block format `kind`, as the kernels read it
+    through raw pointers: contiguous CPU tensors of the format's dtypes and shapes (m for the Q4 formats only)."""
+    if kind not in BLOCK_FORMATS:
+        raise ValueError(f"{where}: unknown block format {kind}")
+    codes, per_byte, scales, group = BLOCK_FORMATS[kind]
+    if k <= 0 or k % 32:
+        raise ValueError(f"{where}: input size {k} is not a positive multiple of 32")
+    n = qs.shape[0] if qs.dim() == 2 else -1
+    expect = [("codes", qs, codes, (n, k // per_byte)), ("scales", d, scales, (n, k // group))]
+    if per_byte == 2:
+        expect.append(("offsets", m, scales, (n, k // group)))
+    elif m is not None:
+        raise ValueError(f"{where}: format {kind} has no offsets")
+    for name, t, dtype, shape in expect:
+        if (t is None or t.dtype != dtype or tuple(t.shape) != shape or t.device.type != "cpu"
+                or not t.is_contiguous()):
+            got = "none" if t is None else f"{t.dtype} {tuple(t.shape)} on {t.device}"
+            raise ValueError(f"{where}: format {kind} needs {name} {dtype} {shape}, contiguous on the CPU; got {got}")
+
+
 def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
                  m: torch.Tensor | None, out: torch.Tensor, gemm: bool = False, int8_activations: bool = False) -> None:
     """out [M, N] (a view with unit column stride) = x [M, K] fp32 @ W^T for a block-quantized W [N, K]:
-    kind 4 (qs nibbles [N, K / 2], d and m fp16 [N, K / 32]), 8 (qs int8 [N, K], d fp16 [N, K / 32]) or 6 (qs int8,
-    d fp32 [N, K / 16]); see nt_block_matmul. gemm: through the fp32 GEMM instead, the weight dequantized 16 rows at
-    a time (nt_block_gemm), for batches bound by compute, with no fp32 copy of the weight; with int8_activations,
+    kind 4 (qs nibbles [N, K / 2], d and m fp16 [N, K / 32]), 5 (as 4, d and m fp32), 8 (qs int8 [N, K], d fp16
+    [N, K / 32]) or 6 (qs int8, d fp32 [N, K / 16]); see nt_block_matmul and BLOCK_FORMATS. gemm: through a GEMM
+    instead, for batches bound by compute, with no fp32 copy of the weight (nt_block_gemm); with int8_activations,
     where the CPU has AVX-512 VNNI, the GEMM meets the weights with int8 activation codes instead of int16
     (nt_block_gemm8: faster, less precise)."""
     _check(x)
     rows, k = x.shape
+    _check_blocks(kind, qs, d, m, k, "block_matmul")
+    if out.dtype != torch.float32 or out.shape != (rows, qs.shape[0]) or out.stride(-1) != 1:
+        raise ValueError(f"block_matmul: out {out.dtype} {tuple(out.shape)} does not fit [{rows}, {qs.shape[0]}] fp32 "
+                         "with unit column stride")
     fn = (lib.nt_block_gemm8 if int8_activations else lib.nt_block_gemm) if gemm else lib.nt_block_matmul
     if fn(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
           None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads()):
@@ -182,6 +220,8 @@ def pack_blocks(lib: ctypes.CDLL, parts: list[tuple[int, torch.Tensor, torch.Ten
     held = sum(qs.shape[0] for _, qs, _, _ in parts)
     if held != n:
         raise ValueError(f"pack_blocks: parts hold {held} rows, expected {n}")
+    for kind, qs, d, m in parts:
+        _check_blocks(kind, qs, d, m, k, "pack_blocks")
     panels = torch.empty(lib.nt_sgemm_packed_size(n, k))
     if n % PANEL:  # the last panel's columns past n
         panels[n // PANEL * PANEL * k:] = 0.0

@@ -1,0 +1,49 @@
+"""The native kernels under AddressSanitizer and UndefinedBehaviorSanitizer: the kernel tests (test_native.py) and
+the generated shapes and block contents (test_native_fuzz.py) run again in a child process whose every build of
+kernels.c is instrumented (NEXTOKEN_NATIVE_SANITIZE=1, see ops/native SANITIZE_FLAGS) with the sanitizers' runtimes
+preloaded. Any out-of-bounds access, use after free or undefined behaviour aborts the child with a report, which
+fails this test.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def runtime(name: str) -> str:
+    compiler = os.environ.get("CC") or "gcc"
+    path = subprocess.run([compiler, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+    assert os.path.isabs(path) and os.path.exists(path), f"{compiler} has no {name} (needed for the sanitizers)"
+    return path
+
+
+def test_kernels_under_address_and_undefined_behaviour_sanitizers() -> None:
+    env = {**os.environ, "NEXTOKEN_NATIVE_SANITIZE": "1", "ASAN_OPTIONS": "detect_leaks=0",
+           "UBSAN_OPTIONS": "print_stacktrace=1", "LD_PRELOAD": f"{runtime('libasan.so')} {runtime('libubsan.so')}"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit/test_native_fuzz.py",
+           "tests/unit/test_native.py"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    report = proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, report
+    assert proc.returncode == 0 and " passed" in proc.stdout, report
+    # the child's kernels were the instrumented ones
+    probe = subprocess.run([sys.executable, "-c", "from nextoken.ops import native; import ctypes; "
+                            "lib = native.library(); print(hasattr(lib, '__asan_init'))"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert probe.stdout.strip() == "True", probe.stderr[-3000:]
+
+
+def test_kernels_compile_without_warnings() -> None:
+    """kernels.c is warning-free under -Wall -Wextra, for the host's instruction sets and for plain x86-64."""
+    from nextoken.ops import native
+
+    compiler = os.environ.get("CC") or "gcc"
+    for target in (["-march=native"], ["-mno-avx2", "-mno-fma", "-mno-f16c"]):
+        proc = subprocess.run([compiler, "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-fopenmp", "-std=c11",
+                               *target, str(native.SOURCE)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
