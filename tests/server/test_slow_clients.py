@@ -160,6 +160,6 @@ def test_a_trickled_body_is_408(strict_server: ServerProcess, alone: str) -> Non
     status, _, rest = answer.partition(b"\r\n")
     assert status == b"HTTP/1.1 408 Request Timeout", answer[:200]
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
-    assert error["code"] == 408 or "did not arrive within 1 s" in error["message"]
+    assert "did not arrive within 1 s" in error["message"]
     wait_idle(server)
     assert canary(server) == alone
