@@ -57,6 +57,13 @@ class _DrainingServer(uvicorn.Server):
         else:
             self.should_exit = True  # a second SIGTERM: stop now (lifespan shutdown aborts what is left)
 
+    async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        # Streams in flight would hold their connections until uvicorn's grace period ran out and their tasks were
+        # cancelled (a traceback in the log, a truncated response): their engine requests end first, so each stream
+        # ends at once with an error event and [DONE]. After a drain this finds the engine stopped already.
+        await self.state.async_engine.shutdown(0.0)
+        await super().shutdown(sockets)
+
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
 
