@@ -37,6 +37,7 @@ from nextoken.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("nextoken.engine")
 
+
 def load_text_side(gguf: GGUFFile, config: ModelConfig) -> tuple[Tokenizer, ChatTemplate]:
     """A model's tokenizer and chat template (the file's, or the documented fallback), without its weights."""
     tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(gguf.path))
@@ -171,7 +172,8 @@ class LLMEngine:
             return []
         batch, logits = self.runner.execute(scheduled)
         sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
-        result, failed = None, set()
+        result: SampleResult | None = None
+        failed: set[int] = set()
         if batch.greedy_ids is not None:  # the step took every row's argmax (all greedy, nothing else asked)
             result = SampleResult(batch.greedy_ids, [None] * len(batch.greedy_ids))
         elif sampling:
