@@ -53,6 +53,7 @@ class Summary:
     num_completed: int = 0
     cancelled: collections.Counter[str] = field(default_factory=collections.Counter)
     errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    error_details: list[str] = field(default_factory=list)  # the first few, with their request
     num_canaries: int = 0
     tokens: int = 0
     finished: dict[str, float] = field(default_factory=dict)
@@ -78,6 +79,7 @@ class Summary:
             f"canaries          {self.num_canaries} under load, all equal to the idle answer: "
             f"{'canary mismatch' not in self.errors}",
             f"errors            {dict(self.errors) or 'none'}",
+            *(f"  {detail}" for detail in self.error_details),
             f"tokens generated  {self.tokens}",
             f"engine requests   ended by reason {self.finished}; preemptions {self.num_preemptions:.0f}",
             f"RSS (MiB)         start {rss[0]:.1f}, after warm-up {self.rss_warm_mib:.1f}, end {self.rss_end_mib:.1f}, "
@@ -139,10 +141,16 @@ class Load:
     async def request(self, cancel: bool) -> None:
         path, body = self.body()
         self.summary.num_requests += 1
+        start = time.monotonic()
         try:
             left = await (self._stream if body["stream"] else self._whole)(path, body, cancel)
         except httpx.HTTPError as exc:
             self.summary.errors[type(exc).__name__] += 1
+            if len(self.summary.error_details) < 10:
+                shown = {k: (f"{len(v)} token ids" if k == "prompt" and isinstance(v, list) else v)
+                         for k, v in body.items() if k not in ("model", "messages")}
+                self.summary.error_details.append(f"{type(exc).__name__} ({exc}) after "
+                                                  f"{time.monotonic() - start:.2f} s: {path} {shown}")
             return
         if left is None:
             self.summary.num_completed += 1
@@ -206,7 +214,9 @@ async def drive(server: ServerProcess, minutes: float, users: int, seed: int, ca
                 sample_every: float, summary: Summary) -> str:
     """Run the load; returns the canary's idle answer."""
     rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4)
+    # Idle connections are dropped well before the server's 5 s keep-alive ends: one reused just as the server closes
+    # it fails with a ReadError that says nothing about the server.
+    limits = httpx.Limits(max_connections=users + 4, max_keepalive_connections=users + 4, keepalive_expiry=2.0)
     async with httpx.AsyncClient(base_url=server.url, timeout=httpx.Timeout(300.0), limits=limits) as http:
         info = (await http.get("/v1/models")).json()["data"][0]
         text = " ".join(rng.choices(WORDS, k=4000))

@@ -91,6 +91,7 @@ def test_a_stream_never_read_is_abandoned_and_its_requests_aborted(strict_server
         deadline = time.monotonic() + 30
         while metric(server, "nextoken_requests_running") == 0:
             assert time.monotonic() < deadline, "the stream's requests never started"
+            time.sleep(0.02)
         thread, result = _canary_beside(server)
         wait_idle(server, timeout=60)
         thread.join(60)
