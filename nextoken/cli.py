@@ -258,7 +258,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           kv_cache_bytes=args.kv_cache_bytes, max_num_seqs=args.max_num_seqs,
                           max_tokens_default=args.max_tokens_default)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
-                 allow_insecure_bind=args.allow_insecure_bind, drain_timeout=args.drain_timeout)
+                 allow_insecure_bind=args.allow_insecure_bind, drain_timeout=args.drain_timeout,
+                 stream_timeout=args.stream_timeout, request_timeout=args.request_timeout)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -332,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-bytes", type=int, default=None, help="KV cache size (default: a share of free memory)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM lets in-flight requests finish before aborting them")
+    p.add_argument("--stream-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a stream whose client reads nothing for this long is closed and its requests aborted")
+    p.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request's headers, then its body, must each arrive within this long (else the connection "
+                        "is closed, or the answer is 408)")
     p.set_defaults(func=cmd_serve)
     return parser
 

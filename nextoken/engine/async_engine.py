@@ -58,6 +58,8 @@ class EngineStats:
     num_kv_blocks_used: int = 0
     num_kv_blocks_total: int = 0
     num_steps: int = 0
+    num_preemptions: int = 0
+    num_finished: tuple[tuple[str, int], ...] = ()  # (finish reason, requests ended so far with it)
 
     @property
     def num_unfinished(self) -> int:
@@ -322,4 +324,5 @@ class AsyncEngine:
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         self.stats = EngineStats(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                                  num_kv_blocks_used=blocks.num_used_blocks, num_kv_blocks_total=blocks.num_blocks,
-                                 num_steps=self._num_steps)
+                                 num_steps=self._num_steps, num_preemptions=scheduler.num_preemptions,
+                                 num_finished=tuple(sorted(scheduler.num_finished.items())))

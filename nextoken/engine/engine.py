@@ -35,6 +35,8 @@ from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat import ChatTemplate
 from nextoken.tokenizer.tokenizer import Tokenizer
 
+log = logging.getLogger("nextoken.engine")
+
 
 def load_text_side(gguf: GGUFFile, config: ModelConfig) -> tuple[Tokenizer, ChatTemplate]:
     """A model's tokenizer and chat template (the file's, or the documented fallback), without its weights."""
@@ -170,14 +172,15 @@ class LLMEngine:
             return []
         batch, logits = self.runner.execute(scheduled)
         sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
-        result = None
+        result: SampleResult | None = None
+        failed: set[int] = set()
         if batch.greedy_ids is not None:  # the step took every row's argmax (all greedy, nothing else asked)
             result = SampleResult(batch.greedy_ids, [None] * len(batch.greedy_ids))
         elif sampling:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
                                 scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)
                     for i, _ in sampling]
-            result = self.sampler(take_rows(logits, [r for _, r in sampling]), rows)
+            result, failed = self._sample(take_rows(logits, [r for _, r in sampling]), rows)
         token_for = {i: k for k, (i, _) in enumerate(sampling)}
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -197,13 +200,39 @@ class LLMEngine:
             if i not in token_for or result is None:
                 continue
             k = token_for[i]
+            if k in failed:
+                outputs.append(self._fail(live))
+                continue
             try:
                 outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
             except Exception as exc:  # one request's detokenization or stop check must not take the batch down
-                logging.getLogger("nextoken.engine").error("request %s failed: %s", req.request_id,
-                                                           type(exc).__name__)
+                log.error("request %s failed: %s", req.request_id, type(exc).__name__)
                 outputs.append(self._fail(live))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[SampleResult, set[int]]:
+        """The rows' tokens, and the indices of rows whose sampling raised. The batch is drawn at once; should that
+        raise, each row is drawn again alone (a seeded one from its generator rewound to this step's start), so one
+        request's failing sampling fails it alone and the others draw what they would have drawn."""
+        try:
+            return self.sampler(logits, rows), set()
+        except Exception as exc:
+            log.error("sampling a batch of %d rows failed (%s); drawing them one at a time", len(rows),
+                      type(exc).__name__)
+        token_ids: list[int] = []
+        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
+        failed: set[int] = set()
+        for k, row in enumerate(rows):
+            Sampler.rewind(row)
+            try:
+                one = self.sampler(logits[k:k + 1], [row])
+            except Exception as exc:
+                log.error("sampling failed for one request (%s)", type(exc).__name__)
+                failed.add(k)
+                one = SampleResult([0], [None])  # never used: the request fails
+            token_ids.append(one.token_ids[0])
+            logprobs.append(one.logprobs[0])
+        return SampleResult(token_ids, logprobs), failed
 
     def _fail(self, live: _Live) -> RequestOutput:
         """End a request whose processing raised: finish_reason "error", blocks freed, the others go on."""

@@ -205,6 +205,17 @@ class Sampler:
             token_ids = self._draw(logits, rows, greedy)
         return SampleResult(token_ids, self._logprobs(raw, rows, token_ids))
 
+    @staticmethod
+    def rewind(row: SamplingRow) -> None:
+        """A seeded row's generator put back where it stood before this step's draw: `_draw` takes exactly one
+        uniform from it per token sampled, and none for greedy rows. For the rare redraw after a failed batch."""
+        if row.generator is None or row.params.seed is None:
+            return
+        row.generator.manual_seed(row.params.seed)
+        if not row.params.is_greedy:
+            for _ in range(len(row.output_ids)):
+                torch.rand(1, dtype=torch.float64, generator=row.generator)
+
     def _draw(self, logits: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> list[int]:
         idx = [i for i, g in enumerate(greedy) if not g]
         sub = take_rows(logits, idx)

@@ -12,7 +12,7 @@ could never fit in any step's budget: that one is still chunked, rather than blo
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from nextoken.cache.block_manager import BlockManager
@@ -41,6 +41,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_finished: Counter[str] = Counter()  # requests ended, by finish reason (stop, length, abort, error)
 
     @property
     def num_unfinished(self) -> int:
@@ -133,3 +134,4 @@ class Scheduler:
         self.bm.free(req.block_table)
         req.block_table = []
         req.finish(reason, stop_reason)
+        self.num_finished[reason] += 1

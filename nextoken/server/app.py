@@ -31,7 +31,7 @@ from nextoken.server.errors import ApiError, api_error_from, error_body, error_r
 from nextoken.server.generation import Choices, Job, Kind, encode_prompt, prepare, render_messages
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.openapi import build_openapi
-from nextoken.server.middleware import GuardMiddleware
+from nextoken.server.middleware import REQUEST_TIMEOUT_S, GuardMiddleware
 from nextoken.server.protocol import (
     MAX_BODY_BYTES,
     ChatCompletionRequest,
@@ -41,7 +41,7 @@ from nextoken.server.protocol import (
     TokenizeRequest,
     parse_request,
 )
-from nextoken.server.streaming import EventStream, json_response, sse, unless_disconnected
+from nextoken.server.streaming import SEND_TIMEOUT_S, EventStream, json_response, sse, unless_disconnected
 
 DRAIN_TIMEOUT_S = 30.0  # how long SIGTERM lets in-flight requests run before aborting them
 
@@ -56,6 +56,7 @@ class ServerState:
     model_names: frozenset[str]
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
+    stream_timeout: float = SEND_TIMEOUT_S  # a stream whose client reads nothing for this long is abandoned
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting (POSTs get 503), let in-flight requests finish within `timeout`, abort the rest."""
@@ -64,13 +65,17 @@ class ServerState:
 
 
 def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engine: LLMEngine | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """The app for one model. `engine`: an LLMEngine already built from `engine_config` (tests share one)."""
+               max_body_bytes: int = MAX_BODY_BYTES, stream_timeout: float = SEND_TIMEOUT_S,
+               request_timeout: float = REQUEST_TIMEOUT_S) -> FastAPI:
+    """The app for one model. `engine`: an LLMEngine already built from `engine_config` (tests share one).
+    `stream_timeout`: seconds a stream's send may stay blocked on a client that reads nothing before the stream is
+    abandoned and its requests aborted; `request_timeout`: seconds a request's body may take to arrive (408)."""
     llm_engine = engine if engine is not None else LLMEngine(engine_config)
     names = {llm_engine.model_name}
     if engine_config.model in REGISTRY:
         names.add(engine_config.model)
-    state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names))
+    state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names),
+                        stream_timeout=stream_timeout)
     document = build_openapi("nextoken", __version__, api_key=api_key is not None)
 
     @asynccontextmanager
@@ -82,7 +87,7 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
     app = FastAPI(title="nextoken", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.nextoken = state
     app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes, metrics=state.metrics,
-                       is_draining=lambda: state.draining)
+                       is_draining=lambda: state.draining, request_timeout=request_timeout)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> Response:
@@ -167,7 +172,7 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
     choices = Choices(job, state.engine)
     if job.stream:
-        return EventStream(_events(state, job, stream, choices))
+        return EventStream(_events(state, job, stream, choices), state.stream_timeout)
     try:
         finished, result = await unless_disconnected(request.receive, _collect(state, job, stream, choices))
     finally:

@@ -18,7 +18,7 @@ MAX_MESSAGE_CHARS = 500
 
 _TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error",
-    413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+    408: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
     503: "service_unavailable",
 }
 _PARAM_IN_MESSAGE = re.compile(r"^invalid (\w+)=")  # SamplingParams' messages start "invalid <name>=<value>"

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server app, in a CollectorRegistry of its own (two apps in one process never mix).
 
-Counters: HTTP requests by route and status code, prompt and generated tokens. Histograms: time to first token and
+Counters: HTTP requests by route and status code, prompt and generated tokens; from the engine's snapshot, engine
+requests ended by finish reason (stop, length, abort, error) and preemptions. Histograms: time to first token and
 time per output token. Gauges (set from the engine thread's latest snapshot when scraped): running and waiting
 requests, KV blocks in use and in total. Routes outside the API are counted as "other", so a scan of random paths
 cannot grow the label set.
@@ -36,6 +37,11 @@ class ServerMetrics:
         self.waiting = Gauge("nextoken_requests_waiting", "Engine requests waiting to be scheduled", registry=r)
         self.kv_blocks_used = Gauge("nextoken_kv_blocks_used", "KV cache blocks referenced by requests", registry=r)
         self.kv_blocks_total = Gauge("nextoken_kv_blocks_total", "KV cache blocks in the pool", registry=r)
+        self.finished = Counter("nextoken_requests_finished", "Engine requests ended, by finish reason", ["reason"],
+                                registry=r)
+        self.preemptions = Counter("nextoken_preemptions", "Running requests preempted (to be recomputed) for KV room",
+                                   registry=r)
+        self._seen = EngineStats()  # the snapshot the engine counters were last brought up to
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()
@@ -45,4 +51,12 @@ class ServerMetrics:
         self.waiting.set(stats.num_waiting)
         self.kv_blocks_used.set(stats.num_kv_blocks_used)
         self.kv_blocks_total.set(stats.num_kv_blocks_total)
+        # The engine keeps running totals; the counters take what was added since the last scrape.
+        before = dict(self._seen.num_finished)
+        for reason, count in stats.num_finished:
+            if count > before.get(reason, 0):
+                self.finished.labels(reason).inc(count - before.get(reason, 0))
+        if stats.num_preemptions > self._seen.num_preemptions:
+            self.preemptions.inc(stats.num_preemptions - self._seen.num_preemptions)
+        self._seen = stats
         return generate_latest(self.registry)

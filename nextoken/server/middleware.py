@@ -3,12 +3,15 @@
 Order of checks: the API key (every route but /health; constant-time comparison; the key is never logged), then
 draining (after SIGTERM every POST gets 503 with Retry-After), then the body: a POST body is read here in full, at
 most `max_body_bytes` (a larger one is refused with 413 before anything is parsed or kept; up to DRAIN_FACTOR
-times the limit is read and dropped first so the client sees the 413), and replayed to the route. An exception escaping a route becomes a bare 500 error object; the
-log gets its type and an escaped message, never a traceback or a request body.
+times the limit is read and dropped first so the client sees the 413) within `request_timeout` seconds (a body
+trickled slower than that is a 408, and the connection closes), and replayed to the route. An exception escaping a
+route becomes a bare 500 error object; the log gets its type and an escaped message, never a traceback or a request
+body.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -25,6 +28,7 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 log = logging.getLogger("nextoken.server")
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key: load balancers probe it
 DRAIN_FACTOR = 8  # a refused body up to this many times the limit is read (and dropped) before the 413
+REQUEST_TIMEOUT_S = 30.0  # a request's headers, then its body, must each arrive within this long
 
 
 def escape_for_log(text: str, limit: int = 200) -> str:
@@ -34,12 +38,13 @@ def escape_for_log(text: str, limit: int = 200) -> str:
 
 class GuardMiddleware:
     def __init__(self, app: ASGIApp, *, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics,
-                 is_draining: Callable[[], bool]) -> None:
+                 is_draining: Callable[[], bool], request_timeout: float = REQUEST_TIMEOUT_S) -> None:
         self.app = app
         self.api_key = api_key.encode() if api_key is not None else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
         self.is_draining = is_draining
+        self.request_timeout = request_timeout
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -56,7 +61,12 @@ class GuardMiddleware:
         try:
             self._check(scope)
             if scope["method"] == "POST":
-                receive = await self._buffer_body(scope, receive)
+                try:
+                    async with asyncio.timeout(self.request_timeout):
+                        receive = await self._buffer_body(scope, receive)
+                except TimeoutError:
+                    raise ApiError(408, f"the request body did not arrive within {self.request_timeout:g} s",
+                                   headers={"Connection": "close"}) from None
             await self.app(scope, receive, send_counted)
         except ApiError as exc:
             if status[0] == 0:

@@ -30,13 +30,14 @@ from nextoken.server.protocol import (
 )
 
 _REF = "#/components/schemas/{model}"
-# Malformed body or fields, unknown model, too large, not JSON, queue full or draining (a full queue is a 503, as
-# vLLM answers it, not a 429: nothing is rate-limited per client).
-_BODY_ERRORS = (400, 404, 413, 415, 503)
+# Malformed body or fields, unknown model, body too slow, too large, not JSON, queue full or draining (a full queue
+# is a 503, as vLLM answers it, not a 429: nothing is rate-limited per client).
+_BODY_ERRORS = (400, 404, 408, 413, 415, 503)
 _DESCRIPTIONS = {
     400: "invalid request: malformed JSON or an invalid field, named in `param`",
     401: "missing or invalid API key",
     404: "the model is not the one this server serves",
+    408: "the request body did not arrive within the server's request timeout (serve --request-timeout)",
     413: "the request body exceeds the size limit",
     415: "the request body is not sent as application/json",
     503: "the waiting queue is full, or the server is shutting down; retry after Retry-After seconds",

@@ -2,7 +2,9 @@
 
 On the first SIGTERM the server keeps its socket open but answers every new POST with 503 (Retry-After), lets the
 requests in flight finish within the drain deadline, aborts what is left, then shuts uvicorn down and exits 0. A
-second SIGTERM, or SIGINT, stops at once. Where it may bind: see bind.py.
+second SIGTERM, or SIGINT, stops at once. Where it may bind: see bind.py. Slow clients are timed out: a request's
+headers must arrive within the request timeout (the connection is closed otherwise), then its body (408), and a
+stream's client must keep reading (the stream timeout; its requests are aborted otherwise).
 """
 
 from __future__ import annotations
@@ -14,11 +16,14 @@ import sys
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nextoken.config import EngineConfig
 from nextoken.errors import NextokenError
 from nextoken.server.app import DRAIN_TIMEOUT_S, ServerState, create_app
 from nextoken.server.bind import check_bind
+from nextoken.server.middleware import REQUEST_TIMEOUT_S
+from nextoken.server.streaming import SEND_TIMEOUT_S
 
 log = logging.getLogger("nextoken.server")
 
@@ -52,6 +57,13 @@ class _DrainingServer(uvicorn.Server):
         else:
             self.should_exit = True  # a second SIGTERM: stop now (lifespan shutdown aborts what is left)
 
+    async def shutdown(self, sockets: list | None = None) -> None:  # type: ignore[type-arg]
+        # Streams in flight would hold their connections until uvicorn's grace period ran out and their tasks were
+        # cancelled (a traceback in the log, a truncated response): their engine requests end first, so each stream
+        # ends at once with an error event and [DONE]. After a drain this finds the engine stopped already.
+        await self.state.async_engine.shutdown(0.0)
+        await super().shutdown(sockets)
+
     def _start_drain(self) -> None:
         self._drain_task = asyncio.ensure_future(self._drain())
 
@@ -63,19 +75,70 @@ class _DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+class _HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers, counted from the connection (or from the
+    end of the previous response): uvicorn's keep-alive timer stops at the first byte received, so a client sending
+    its headers a byte at a time would otherwise hold its connection forever."""
+
+    head_timeout = REQUEST_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        self._arm_head_timer()  # before the base class handles a pipelined request, which disarms it
+        super().on_response_complete()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's headers are complete: its body has the middleware's deadline
+            self._disarm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """The protocol class for uvicorn's `http` setting, with this head timeout."""
+    return type("HeadTimeoutProtocol", (_HeadTimeoutProtocol,), {"head_timeout": seconds})
+
+
 def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          allow_insecure_bind: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S) -> int:
+          allow_insecure_bind: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S,
+          stream_timeout: float = SEND_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S) -> int:
     """Load the model, serve until stopped; 0 after a clean stop (SIGTERM included)."""
     check_bind(host, api_key, allow_insecure_bind)
     if not 0 <= port <= 65535:
         raise NextokenError(f"invalid port {port}: must be in 0..65535 (0 picks a free one)")
     if drain_timeout < 0:
         raise NextokenError(f"invalid drain timeout {drain_timeout}: must be >= 0 seconds")
+    for name, value in (("stream", stream_timeout), ("request", request_timeout)):
+        if not 0 < value < float("inf"):
+            raise NextokenError(f"invalid {name} timeout {value}: must be a positive number of seconds")
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s", stream=sys.stderr)
     logging.getLogger("nextoken").setLevel(logging.INFO)  # start-up facts: KV bytes per token, pool size
-    app = create_app(engine_config, api_key=api_key)
+    app = create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
-                            server_header=False, timeout_keep_alive=5, timeout_graceful_shutdown=10)
+                            server_header=False, timeout_keep_alive=5, timeout_graceful_shutdown=10,
+                            http=head_timeout_protocol(request_timeout))
     server = _DrainingServer(config, app.state.nextoken, drain_timeout)
     try:
         server.run()

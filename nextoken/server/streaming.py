@@ -3,8 +3,9 @@
 Both race the work against the ASGI `http.disconnect` message. When the client goes first, the work is cancelled at
 once (the event iterator is closed, the awaited task cancelled), which aborts its engine requests: their KV blocks
 are free after the engine's next pass, whether the client left mid-stream, while queued, or while waiting for a
-whole answer. A stream whose client stops reading is abandoned the same way after SEND_TIMEOUT_S. Starlette's
-StreamingResponse is not used because it does not close its iterator on a disconnect.
+whole answer. A stream whose client stops reading (a send blocked on a full socket for `send_timeout` seconds,
+`serve --stream-timeout`) is abandoned the same way. Starlette's StreamingResponse is not used because it does not
+close its iterator on a disconnect.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
 from typing import Any, TypeVar
 
@@ -22,6 +24,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 T = TypeVar("T")
 SEND_TIMEOUT_S = 30.0  # a stream whose client reads nothing for this long is abandoned (and its request aborted)
+log = logging.getLogger("nextoken.server")
 
 
 def json_bytes(data: Any) -> bytes:
@@ -71,12 +74,13 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], send_timeout: float = SEND_TIMEOUT_S) -> None:
         # Not Response.__init__: it would render an empty body and announce Content-Length: 0.
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.events = events
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
         # The client's leaving cancels this task wherever it waits (for the next event, or on a full socket): no
@@ -102,7 +106,7 @@ class EventStream(Response):
                 except StopAsyncIteration:
                     break
                 # A client that stops reading fills the socket and blocks the send: give up on it.
-                async with asyncio.timeout(SEND_TIMEOUT_S):
+                async with asyncio.timeout(self.send_timeout):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
@@ -110,7 +114,8 @@ class EventStream(Response):
                 raise
             task.uncancel()  # ours, for the client that left: the response simply ends
         except TimeoutError:
-            pass
+            log.warning("a stream's client read nothing for %.0f s: the stream is abandoned and its requests aborted",
+                        self.send_timeout)
         finally:
             streaming = False  # a disconnect noticed from here on cancels nothing
             gone.cancel()

@@ -148,3 +148,13 @@ def wait_idle(server: ServerProcess, timeout: float = 10.0, headers: dict[str, s
         if time.monotonic() > deadline:
             raise AssertionError(f"server not idle after {timeout} s: running, waiting, blocks = {busy}")
         time.sleep(0.05)
+
+
+CANARY = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+def canary(server: ServerProcess) -> str:
+    """The greedy canary's text: after a fault it must equal what it is on a server that saw none."""
+    response = httpx.post(server.base_url + "/completions", json={"model": server.model, **CANARY}, timeout=60)
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["text"])

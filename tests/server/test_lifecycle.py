@@ -73,3 +73,20 @@ def test_non_loopback_bind_needs_a_key_or_an_explicit_flag() -> None:
     out = subprocess.run([sys.executable, "-m", "nextoken", "serve", "--host", "0.0.0.0", "--port", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--allow-insecure-bind" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigint_ends_a_stream_in_flight_at_once(tiny_model: Path, spawn_server: Callable[..., ServerProcess]) -> None:
+    # Its engine requests are ended before uvicorn waits for connections to close: the stream gets an error event
+    # and [DONE] instead of being cut after uvicorn's 10 s grace period (with a traceback in the log).
+    proc = spawn_server(str(tiny_model), "--kv-cache-bytes", str(16 << 20), "--max-num-seqs", "1", "--threads", "1")
+    body = {"model": proc.model, "prompt": "a", "stream": True, "n": 16, **LONG, "max_tokens": 1000}  # a minute
+    with httpx.Client(timeout=30) as http, http.stream("POST", proc.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        start = time.monotonic()
+        proc.proc.send_signal(signal.SIGINT)
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    proc.proc.wait(20)
+    assert time.monotonic() - start < 10
+    assert events[-1] == "[DONE]" and "shut down" in json.loads(events[-2])["error"]["message"]
+    assert "Traceback" not in proc.log.read_text()

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from nextoken.server import streaming
 from nextoken.server.streaming import EventStream
 
 
@@ -64,9 +63,9 @@ def run(body: Any) -> None:
     asyncio.run(body())
 
 
-async def started(client: Client, events: Events, sent: int) -> asyncio.Task[None]:
+async def started(client: Client, events: Events, sent: int, send_timeout: float = 30.0) -> asyncio.Task[None]:
     """The response under way, once `sent` events have gone out."""
-    response = asyncio.ensure_future(EventStream(events())({}, client.receive, client.send))
+    response = asyncio.ensure_future(EventStream(events(), send_timeout)({}, client.receive, client.send))
     while len(client.bodies) < sent:
         await asyncio.sleep(0.001)
     return response
@@ -106,12 +105,10 @@ def test_leaving_while_a_send_blocks_ends_quietly() -> None:
     run(body)
 
 
-def test_a_client_that_stops_reading_is_given_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(streaming, "SEND_TIMEOUT_S", 0.05)
-
+def test_a_client_that_stops_reading_is_given_up() -> None:
     async def body() -> None:
         client, events = Client(), Events(1000)
-        response = await started(client, events, 10)
+        response = await started(client, events, 10, send_timeout=0.05)
         client.blocked.clear()  # never read again, never disconnects
         await asyncio.wait_for(response, 5)
         assert events.closed and len(client.bodies) < 1000 and not client.ended

@@ -279,3 +279,17 @@ def test_native_draw_edges() -> None:
     assert native.sample_rows(lib, both, [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, edges) == [7, 4999]
     assert native.sample_rows(lib, both, [1.0] * 2, [2] * 2, [1.0] * 2, [0.0] * 2, edges) == [1500, 7]
     assert native.sample_rows(lib, both, [0.01] * 2, [0] * 2, [0.9] * 2, [0.0] * 2, edges) == [1500, 1500]
+
+
+def test_rewind_puts_a_seeded_generator_back_where_the_step_began() -> None:
+    # After a failed batch draw the engine draws each row again alone: a seeded row must draw what it drew first.
+    logits = torch.zeros(1, 4096)  # flat: each uniform lands on a token of its own
+    row = SamplingRow(SamplingParams(temperature=1.0, seed=42), torch.Generator().manual_seed(42), [1], [])
+    sampler = Sampler()
+    for _ in range(3):
+        row.output_ids.append(sampler(logits, [row]).token_ids[0])
+    fourth = sampler(logits, [row]).token_ids[0]
+    Sampler.rewind(row)
+    assert sampler(logits, [row]).token_ids[0] == fourth
+    assert len({*row.output_ids, fourth}) == 4  # the draws differ: one more draw, not rewound, lands elsewhere
+    assert sampler(logits, [row]).token_ids[0] != fourth
