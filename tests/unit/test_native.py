@@ -25,21 +25,14 @@ from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, NIBBLE_KINDS, Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
+from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
                                        BlockWeight, q4_weight,
-                                        q8_codes, q8_weight, regroup, unpack_nibbles)
+                                        q8_codes, q8_weight, regroup)
+from tests.unit.test_native_fuzz import dequantized
 from tests.unit.test_sampler import grid_frequencies, reference_distribution
 
 PORTABLE_FLAGS = ["-O2", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-mno-avx2", "-mno-fma", "-mno-f16c"]
 AVX2_FLAGS = [*native.FLAGS, "-mno-avx512f"]  # the host's build without AVX-512: the int16 route for every product
-
-
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    built = native.library()
-    if built is None:
-        pytest.fail("the native kernels did not build")
-    return built
 
 
 @pytest.fixture(scope="module")
@@ -68,17 +61,6 @@ def use_library(monkeypatch: pytest.MonkeyPatch, library: ctypes.CDLL) -> None:
     """Make `library` the one every module built from here on takes (native.library())."""
     monkeypatch.setattr(native, "_lib", library)
     monkeypatch.setattr(native, "_tried", True)
-
-
-def dequantized(part: BlockWeight) -> torch.Tensor:
-    """The fp32 weight [rows, cols] a block part holds: codes times their scale (per 32, or per 16 for Q8 in
-    halves), plus Q4's offset."""
-    unpacked = unpack_nibbles(part.qs).float() if part.kind in NIBBLE_KINDS else part.qs.float()
-    size = 16 if part.kind == Q8_HALVES else 32
-    w = (unpacked.unflatten(1, (-1, size)) * part.d.float().unsqueeze(-1)).flatten(1)
-    if part.m is not None:
-        w += part.m.float().repeat_interleave(32, dim=1)
-    return w
 
 
 def q4k_weight(n: int, k: int, gen: torch.Generator) -> BlockWeight:
@@ -124,7 +106,7 @@ def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDL
             part = q8_weight(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
                              torch.rand(n, k // 16, generator=gen) / 10)
         assert part.kind == kind
-        dense = dequantized(part)
+        dense = dequantized(part, dtype=torch.float32)
         x = loud_blocks(torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4, gen)
         x[0, 32:64] = 0  # an activation block of zeros (its scale is zero)
         expected = (x.double() @ dense.double().t()).float()
@@ -217,7 +199,7 @@ def test_fp32_gemm_over_packed_panels(build: str, lib: ctypes.CDLL, portable: ct
              q8_weight(torch.randint(-32, 32, (7, 96), generator=gen, dtype=torch.int8), torch.rand(7, 6) / 10),
              q4k_weight(20, 96, gen)]
     for part in parts:
-        w = dequantized(part)
+        w = dequantized(part, dtype=torch.float32)
         for rows in (1, 7, 12):
             x = loud_blocks(torch.randn(rows, 96, generator=gen), gen)
             out = torch.empty(rows, part.rows)
@@ -243,7 +225,7 @@ def gemm_cases(seed: int, outliers: bool = False):  # noqa: ANN201 - yields (Blo
                  q4k_weight(n, k, gen)]
         loud = torch.randperm(k, generator=gen)[:max(1, k // 24)] + 1
         for part in parts:
-            w = dequantized(part).double()
+            w = dequantized(part, dtype=torch.float32).double()
             for rows in (1, 5, 6, 13, 40):
                 x = torch.randn(rows, k + 3, generator=gen)
                 if outliers:

@@ -22,14 +22,6 @@ SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=N
                     suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    built = native.library()
-    if built is None:
-        pytest.fail("the native kernels did not build")
-    return built
-
-
 def random_part(kind: int, n: int, k: int, seed: int) -> BlockWeight:
     """Codes over the format's whole range; scales of mixed size, one in five zero (their blocks contribute 0)."""
     gen = torch.Generator().manual_seed(seed)
