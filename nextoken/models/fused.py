@@ -3,7 +3,7 @@ where the CPU has AVX-512, for any batch of chunks (prefill, chunked prefill mix
 
 A decode step of a small model is thousands of tiny ops; on a CPU each costs microseconds in dispatch before it
 does any work, which is most of the step. `FusedDecoder` hands the whole stack of blocks to `nt_decode_layers`
-(ops/native/kernels.c), which runs, per block: RMSNorm, the fused QKV projection, per-head q/k norms where the
+(ops/native/decode.c), which runs, per block: RMSNorm, the fused QKV projection, per-head q/k norms where the
 model has them, rotary embedding, the K/V write into the paged cache, attention over each sequence's blocks (a
 chunk of several tokens through the prefill kernel, over its context gathered from the cache as the modules gather
 it), the output projection, the residual add, and the gated MLP, with the same formulas as the torch modules in

@@ -272,7 +272,7 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (amax / 127).double()).flatten(1)
 
 
-OUTLIER_MAX, OUTLIER_RATIO = 16, 3.0  # kernels.c
+OUTLIER_MAX, OUTLIER_RATIO = 16, 3.0  # ops/native/gemm.c
 
 
 def outlier_columns(x: torch.Tensor) -> torch.Tensor:
@@ -439,8 +439,12 @@ def _assert_same_step(got: torch.Tensor, expected: torch.Tensor, pool: KVPool, t
     activation blocks that may round a last bit differently; a narrow cache may then store a value one step apart:
     2^-8 in bf16, a code in int8, up to 1/254 of its group's largest value, which moves a tiny model's logits by up
     to a few hundredths). A misplaced window or slot moves logits by ~1. With int8 activation codes, one that rounds
-    the other way moves a K or V value by up to one of their steps, which an int8 cache may store two codes apart."""
+    the other way moves a K or V value by up to one of their steps (0.009 in a tiny Gemma's fp32 cache), which an
+    int8 cache may store two codes apart, and its row's logits by a few hundredths (0.044 for that Gemma, measured
+    on AVX-512 hardware); a misplaced window or slot still moves them by ~1."""
     atol = {"fp32": 2e-3, "bf16": 1e-2, "int8": 5e-2}[kv_dtype]
+    if int8_activations:
+        atol = 1e-1
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=atol)
     for mine, other in zip(pool.layers, twin.layers):
         for name in ("k", "v", "k_scale", "v_scale"):
@@ -448,7 +452,8 @@ def _assert_same_step(got: torch.Tensor, expected: torch.Tensor, pool: KVPool, t
                 a, b = getattr(mine, name), getattr(other, name)
                 codes = a.dtype == torch.int8
                 torch.testing.assert_close(a.float(), b.float(), rtol=0 if codes else 1e-2,
-                                           atol=(2 if int8_activations else 1) if codes else 2e-3)
+                                           atol=(2 if int8_activations else 1) if codes
+                                           else 5e-2 if int8_activations else 2e-3)
 
 
 @pytest.mark.parametrize("products", ["blocks", "gemm", "int16", "int8"])

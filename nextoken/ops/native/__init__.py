@@ -1,4 +1,5 @@
-"""nextoken's own CPU kernels (kernels.c), compiled for this machine at first use and called through ctypes.
+"""nextoken's own CPU kernels: a C library (nt.h and its units beside this file) compiled for this machine at first
+use (build.py) and called through ctypes.
 
 torch's CPU ops cost microseconds each before doing any work, and a decode step is thousands of small ops; its
 int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth on AVX2. These kernels do what a
@@ -8,43 +9,62 @@ torch's on skinny shapes), RMSNorm fused with the residual add, paged decode att
 decoder block of a decode step at once (`decode_layers`, used by models/fused.py), or the whole step with the token
 table and the LM head (`decode_step`).
 
-The library is built with the system's C compiler (`cc`, or $CC) for the host's instruction set, with OpenMP, into
-the cache directory (config.cache_dir(): $NEXTOKEN_CACHE_DIR, default ~/.cache/nextoken), keyed by the source and
-the CPU. It links the OpenMP runtime torch already loaded, so both share one thread pool. Where there is no
+The library links the OpenMP runtime torch already loaded, so both share one thread pool. Where there is no
 compiler, or NEXTOKEN_NATIVE=0, the callers keep torch's kernels: `library()` returns None and says why once in the
-log.
+log. The ctypes mirrors of nt.h's structs and enums below are checked against the compiler's own layout
+(`layout`, tests/unit/test_native_layout.py).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import enum
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from nextoken import config
+from nextoken.ops.native.build import (EMULATED_AVX512_FLAGS, FLAGS, SANITIZE_FLAGS, SOURCES, WARNINGS,  # noqa: F401
+                                       build)
 
 logger = logging.getLogger("nextoken.native")
 
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
-# Tests only: the AVX-512 routes on any x86-64 CPU (emulate512.h; SIMDe's headers, Debian's libsimde-dev). -O1: the
-# emulated intrinsics take minutes to compile at -O3.
-EMULATED_AVX512_FLAGS = ["-O1", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-DNT_EMULATE_AVX512"]
-# With NEXTOKEN_NATIVE_SANITIZE=1 every build adds these (and optimizes at -O1): AddressSanitizer and
-# UndefinedBehaviorSanitizer, any report fatal. The process must preload their runtimes (Python is not built with
-# them): LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)", and
-# ASAN_OPTIONS=detect_leaks=0 (the interpreter's own allocations are never freed). tests/unit/test_sanitized.py.
-# The emulated AVX-512 build stays as it is: SIMDe's intrinsics under AddressSanitizer take minutes to compile.
-SANITIZE_FLAGS = ["-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+
+class Format(enum.IntEnum):
+    """Block formats of quantized weights (nt_format in nt.h, where each is described)."""
+
+    Q4 = 4
+    Q4_F32 = 5
+    Q8_HALVES = 6
+    Q8 = 8
+
+
+class KVKind(enum.IntEnum):
+    """Storage of a paged KV cache (nt_kv_kind)."""
+
+    F32 = 0
+    BF16 = 1
+    INT8 = 2
+
+
+class Activation(enum.IntEnum):
+    """Gated activations (nt_activation)."""
+
+    SILU = 0
+    GELU_TANH = 1
+
+
+class ISA(enum.IntEnum):
+    """The instruction sets a build targets (nt_isa_level)."""
+
+    PORTABLE = 0
+    AVX2 = 1
+    AVX512_VNNI = 2
+
+
+# Each Python enum and the prefix of its C names.
+ENUMS = {Format: "NT_", KVKind: "NT_KV_", Activation: "NT_", ISA: "NT_ISA_"}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -53,6 +73,8 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_
 _SIGNATURES = {
     "nt_block_matmul": (_i32, [_i32, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32]),
     "nt_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]),
+    "nt_isa": (_i32, []),
+    "nt_layout": (_ptr, []),
     "nt_has_avx2": (_i32, []),
     "nt_has_vnni512": (_i32, []),
     "nt_release_threads": (None, []),
@@ -61,44 +83,7 @@ _SIGNATURES = {
 }
 
 
-def _cpu_key() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return flags
-
-
-def build(source: Path = SOURCE, flags: list[str] | None = None, cache_dir: Path | None = None) -> Path:
-    """Compile `source` into a shared library (once per source, flags, compiler and CPU) and return its path.
-    Raises RuntimeError naming what failed."""
-    flags = FLAGS if flags is None else flags
-    if os.environ.get("NEXTOKEN_NATIVE_SANITIZE") == "1" and "-DNT_EMULATE_AVX512" not in flags:
-        flags = [f for f in flags if not f.startswith("-O")] + ["-O1", *SANITIZE_FLAGS]
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler found (cc or gcc; or set CC)")
-    text = source.read_bytes()
-    if "-DNT_EMULATE_AVX512" in flags:  # the header it then includes is part of the source
-        text += source.with_name("emulate512.h").read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), compiler.encode(), _cpu_key().encode()]))
-    root = cache_dir or config.cache_dir()
-    target = root / "native" / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: concurrent first uses never load a half-written file.
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], capture_output=True,
-                                text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed on {source.name}: {result.stderr.strip()[-2000:]}")
-        os.replace(out, target)
-    return target
-
-
-def load(path: Path) -> ctypes.CDLL:
+def load(path: os.PathLike) -> ctypes.CDLL:
     torch.ones(2).sum()  # make sure torch's OpenMP runtime is loaded first, so the library binds to it
     lib = ctypes.CDLL(str(path))
     for name, (restype, argtypes) in _SIGNATURES.items():
@@ -122,6 +107,22 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+class _LayoutEntry(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("value", ctypes.c_int64)]
+
+
+def layout(lib: ctypes.CDLL) -> dict[str, int]:
+    """The library's own account of its interface (nt_layout): "sizeof nt_layer", "nt_layer.qkv" (offsets), "NT_Q4"
+    (enum values), as its compiler laid them out."""
+    entries = ctypes.cast(lib.nt_layout(), ctypes.POINTER(_LayoutEntry))
+    out: dict[str, int] = {}
+    for i in range(10_000):
+        if entries[i].name is None:
+            return out
+        out[entries[i].name.decode()] = entries[i].value
+    raise RuntimeError("nt_layout: no end to the table")
+
+
 def _indices(t: torch.Tensor) -> torch.Tensor:
     """An index tensor as the kernels read it through a raw pointer: int64, contiguous (a no-op when it is)."""
     return t.to(torch.int64).contiguous()
@@ -133,8 +134,8 @@ def _check(x: torch.Tensor) -> None:
 
 
 # The kernels' block formats (nt_block_matmul): codes' dtype, values per code byte, scales' dtype, values per scale.
-BLOCK_FORMATS = {4: (torch.uint8, 2, torch.float16, 32), 5: (torch.uint8, 2, torch.float32, 32),
-                 8: (torch.int8, 1, torch.float16, 32), 6: (torch.int8, 1, torch.float32, 16)}
+BLOCK_FORMATS = {Format.Q4: (torch.uint8, 2, torch.float16, 32), Format.Q4_F32: (torch.uint8, 2, torch.float32, 32),
+                 Format.Q8: (torch.int8, 1, torch.float16, 32), Format.Q8_HALVES: (torch.int8, 1, torch.float32, 16)}
 
 
 def _check_blocks(kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int, where: str) -> None:
@@ -282,7 +283,7 @@ def matmul_rowmajor(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, out
 
 
 _SIGNATURES["nt_gated"] = (None, [_i64, _ptr, _ptr, _ptr, _i64])
-ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # the gated kernels' activation codes
+ACTIVATIONS = {"silu": Activation.SILU, "gelu_tanh": Activation.GELU_TANH}
 
 
 def gated(lib: ctypes.CDLL, activation: int, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -361,7 +362,7 @@ def gated_rows(lib: ctypes.CDLL, activation: int, gate_up: torch.Tensor) -> torc
     return out
 
 
-_KV_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+_KV_KINDS = {torch.float32: KVKind.F32, torch.bfloat16: KVKind.BF16, torch.int8: KVKind.INT8}
 
 
 def attends(device: torch.device, kv_dtype: torch.dtype, head_dim: int) -> bool:
@@ -437,7 +438,7 @@ class Part(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("qs", _ptr), ("d", _ptr), ("m", _ptr)]
 
 
-MAX_PARTS = 4
+MAX_PARTS = 4  # NT_MAX_PARTS
 
 
 class Matrix(ctypes.Structure):

@@ -1,4 +1,4 @@
-/* AVX-512 (F, BW, VL, VNNI) emulated on any x86-64 CPU, for tests: kernels.c built with -DNT_EMULATE_AVX512 runs
+/* AVX-512 (F, BW, VL, VNNI) emulated on any x86-64 CPU, for tests: the kernels built with -DNT_EMULATE_AVX512 run
  * its AVX-512 routes through SIMDe's portable implementations of the intrinsics (Debian's libsimde-dev), and the
  * few that SIMDe 0.7 lacks written out below, so that the routes a CPU without AVX-512 never takes are tested there
  * too (tests/unit/test_native.py). Results follow the instructions' definitions; nothing here is meant for speed. */
