@@ -23,6 +23,7 @@ from nextoken.loader.gguf import GGUFFile, read_gguf
 from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native
 from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
+from tests.conftest import needs_native
 from tests.tiny import write_tiny_model
 
 PROMPTS = ["the cat sat on the mat", "hello", "in the beginning there was the word and the word was",
@@ -201,6 +202,7 @@ def test_threads_must_be_a_positive_whole_number(threads: object) -> None:
         EngineConfig(threads=threads)  # type: ignore[arg-type]
 
 
+@needs_native
 def test_activations_setting(tiny_llama: Path) -> None:
     """`activations` names int16 or int8; int8 reaches every block projection (and the fused decode step) and the
     LM head, and is refused, before anything loads, where the weights are not blocks."""
@@ -237,6 +239,7 @@ def tiny_q8(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
                             table=GGMLQuantizationType.Q8_0)
 
 
+@needs_native
 def test_native_decode_steps_give_the_module_paths_results(tiny_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a Q8_0 table and block projections every pure decode step is one native call (NativeStep): greedy rows
     take their argmax there and skip the sampler; batches from one row to past HEAD_GEMM_ROWS (whose head takes the
@@ -276,7 +279,7 @@ def test_native_decode_steps_give_the_module_paths_results(tiny_q8: Path, monkey
     assert len(runs) == count + 5 and len(sampled) == before + 1  # only the prompt's step went to the sampler
 
 
-@pytest.mark.parametrize("head", ["int8", "fp32", "native step"])
+@pytest.mark.parametrize("head", ["int8", "fp32", pytest.param("native step", marks=needs_native)])
 def test_steps_write_their_logits_into_one_kept_buffer(tiny_llama: Path, tiny_q8: Path, head: str) -> None:
     """A step's logits go into the runner's buffer, kept between steps (fresh pages would fault in every step) and
     grown with the batch; what a step samples is what a fresh tensor would hold; teacher-forced scores and batches
@@ -356,6 +359,7 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
         gc.enable()
 
 
+@needs_native
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
 def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
     """Projections stored in blocks that are exactly their weights load without being dequantized (their GEMM
