@@ -42,7 +42,16 @@ class TemplateError(NextokenError):
     """A chat template that fails to render: a syntax error, `raise_exception`, a sandbox or limit violation."""
 
 
-class PromptTooLong(NextokenError):
+class InvalidInput(NextokenError):
+    """A prompt, or a request field checked against the model, that it cannot take: an empty prompt, token ids
+    outside the vocabulary. `param` names the request field at fault where the caller has one (the server's 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class PromptTooLong(InvalidInput):
     """A prompt (plus the tokens asked for) that does not fit the model's context."""
 
 

@@ -21,12 +21,13 @@ import torch
 
 from nextoken.cache.block_manager import BlockManager
 from nextoken.config import EngineConfig
+from nextoken.engine.inputs import InputProcessor, Limits
 from nextoken.engine.output import TextStream
 from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
-from nextoken.errors import NextokenError, PromptTooLong
+from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
 from nextoken.loader.registry import model_name_for, resolve_model
 from nextoken.models.config import ModelConfig
@@ -97,6 +98,10 @@ class LLMEngine:
                 self.tokenizer, self.chat_template = text_side.result()
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size,
                                           enable_prefix_caching=config.enable_prefix_caching)
+        # Prompts in: templates, encoding, the vocabulary and the limits every caller (CLI, LLM, server) checks.
+        pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
+        self.inputs = InputProcessor(self.tokenizer, self.chat_template, self.model_config.vocab_size,
+                                     Limits(self.max_model_len, pool_tokens, config.max_tokens_default))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
@@ -112,11 +117,8 @@ class LLMEngine:
         if request_id in self._live:
             raise NextokenError(f"request id {request_id!r} is already in use")
         if not prompt_ids:
-            raise NextokenError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab), None)
-        if bad is not None:
-            raise NextokenError(f"prompt token id {bad!r} is outside the vocabulary (0..{vocab - 1})")
+            raise InvalidInput("the prompt is empty")
+        self.inputs.check_ids(prompt_ids)
         num_prompt = len(prompt_ids)
         if num_prompt >= self.max_model_len:
             raise PromptTooLong(f"the prompt has {num_prompt} tokens but the context holds {self.max_model_len}")

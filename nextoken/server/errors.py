@@ -11,7 +11,7 @@ import re
 
 from starlette.responses import Response
 
-from nextoken.errors import InvalidSamplingParams, NextokenError
+from nextoken.errors import InvalidInput, InvalidSamplingParams, NextokenError
 
 RETRY_AFTER_S = 1  # what a client told to back off (queue full, draining) should wait before trying again
 MAX_MESSAGE_CHARS = 500
@@ -54,10 +54,13 @@ def error_response(status: int, message: str, *, param: str | None = None, code:
 
 
 def api_error_from(exc: NextokenError, param: str | None = None) -> ApiError:
-    """A NextokenError as an ApiError with its `http_status`; InvalidSamplingParams names its parameter."""
+    """A NextokenError as an ApiError with its `http_status`; InvalidSamplingParams names its parameter, and so does
+    an InvalidInput that carries one (else `param`)."""
     if isinstance(exc, InvalidSamplingParams):
         match = _PARAM_IN_MESSAGE.match(str(exc))
         param = match.group(1) if match else param
+    elif isinstance(exc, InvalidInput) and exc.param is not None:
+        param = exc.param
     status = exc.http_status
     if status >= 500 and status != 503:
         return ApiError(status, "internal error while generating; the request was not completed")
