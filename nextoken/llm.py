@@ -10,16 +10,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from nextoken.config import EngineConfig
 from nextoken.engine.engine import LLMEngine
+from nextoken.engine.inputs import Chat, PreparedPrompt, prompt_list
 from nextoken.engine.request import Request, RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # text, or token ids
 Messages = list[dict[str, Any]]
 
 
@@ -83,35 +84,37 @@ class LLM:
                                              device=device, **engine_options))
         self.tokenizer = self.engine.tokenizer
         self.chat_template = self.engine.chat_template
+        self.inputs = self.engine.inputs
         self.model_config = self.engine.model_config
         self._ids = itertools.count()
 
     # --- prompts ---------------------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """A prompt's ids as generate() takes them: text with the file's BOS/EOS rules, its special-token text as
+        control tokens (the caller's own text); ids as given."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
+            return self.inputs.encode(prompt, special_tokens=True)
         return list(prompt)
 
     def render_chat(self, messages: Messages, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """Messages -> (prompt text, token ids), special tokens parsed only where the template wrote them."""
-        text, spans = self.chat_template.render_with_spans(messages, add_generation_prompt=add_generation_prompt)
-        return text, self.tokenizer.encode(text, add_special_tokens=False, plain_spans=spans)
+        return self.inputs.render_chat(messages, add_generation_prompt)
 
     # --- generation ------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
                  use_tqdm: bool | None = None) -> list[GenerationOutput]:
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        items = [(p if isinstance(p, str) else None, self.encode(p)) for p in prompts]  # type: ignore[union-attr]
-        return self._run(items, params or SamplingParams(), use_tqdm)
+        params = params or SamplingParams()
+        return self._run([self.inputs.process(p, params, special_tokens=True) for p in prompt_list(prompts)],
+                         params, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
              use_tqdm: bool | None = None) -> list[GenerationOutput]:
+        params = params or SamplingParams()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        items = [self.render_chat(list(c)) for c in conversations]  # type: ignore[arg-type]
-        return self._run([(t, ids) for t, ids in items], params or SamplingParams(), use_tqdm)
+        return self._run([self.inputs.process(Chat(list(c)), params) for c in conversations],  # type: ignore[arg-type]
+                         params, use_tqdm)
 
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request, yielding its RequestOutput after every step; aborts it if the caller stops early."""
@@ -129,17 +132,16 @@ class LLM:
                 self.engine.abort(request_id)
             self.engine.release_threads()  # the next call may come from another thread
 
-    def _run(self, items: list[tuple[str | None, list[int]]], params: SamplingParams,
+    def _run(self, prompts: list[PreparedPrompt], params: SamplingParams,
              use_tqdm: bool | None) -> list[GenerationOutput]:
         engine = self.engine
         groups: list[list[str]] = []
         added: list[str] = []
         try:
-            for _, ids in items:
+            for prompt in prompts:
                 group = []
-                for i in range(params.n):
-                    sub = params if params.n == 1 or params.seed is None else _with_seed(params, params.seed + i)
-                    rid = engine.add_request(ids, sub, f"gen-{next(self._ids)}")
+                for choice in prompt.params:
+                    rid = engine.add_request(prompt.prompt_ids, choice, f"gen-{next(self._ids)}")
                     added.append(rid)
                     group.append(rid)
                 groups.append(group)
@@ -171,7 +173,8 @@ class LLM:
             raise NextokenError(f"generation failed inside the engine for request(s) {', '.join(failed)}; "
                                 "see the nextoken.engine log")
         results = []
-        for (prompt, ids), group in zip(items, groups):
+        for prompt, group in zip(prompts, groups):
+            ids = prompt.prompt_ids
             reqs = [done[rid] for rid in group]
             first = reqs[0]
             completions = [Completion(i, "".join(texts[r.request_id]), list(r.output_ids), r.finish_reason,
@@ -179,16 +182,12 @@ class LLM:
                            for i, r in enumerate(reqs)]
             num_out = sum(len(r.output_ids) for r in reqs)
             results.append(GenerationOutput(
-                request_id=first.request_id, prompt=prompt, prompt_token_ids=ids, outputs=completions,
+                request_id=first.request_id, prompt=prompt.text, prompt_token_ids=ids, outputs=completions,
                 timings=request_timings(first),
                 prompt_logprobs=first.prompt_logprobs if params.prompt_logprobs is not None else None,
                 usage={"prompt_tokens": len(ids), "completion_tokens": num_out, "total_tokens": len(ids) + num_out},
             ))
         return results
-
-
-def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:
-    return replace(params, seed=seed % 2**63)
 
 
 class _Progress:
