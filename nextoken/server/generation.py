@@ -1,10 +1,10 @@
 """From a validated completions / chat request to engine requests, and from their outputs to OpenAI bodies.
 
 `prepare` (run off the event loop: it tokenizes) turns a request into a `Job`: one engine request per prompt and
-choice, choice index = prompt index * n + choice, seed + choice when seeded. Every limit is checked here with the
-parameter named: prompt length against the context, max_tokens against the context minus the prompt (both counts
-in the message), stop_token_ids against the vocabulary. `Choices` accumulates outputs into response bodies and
-stream chunks; usage counts each prompt once and every choice's tokens.
+choice, choice index = prompt index * n + choice. The engine's input processor (engine/inputs.py) renders, encodes
+and checks every prompt, fits it and max_tokens to the context and the KV cache, checks stop_token_ids against the
+vocabulary and seeds each choice; its errors come back as 400s naming the parameter. `Choices` accumulates outputs
+into response bodies and stream chunks; usage counts each prompt once and every choice's tokens.
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nextoken.engine.async_engine import SubRequest
 from nextoken.engine.engine import LLMEngine
+from nextoken.engine.inputs import choices, prompt_list
 from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.server.errors import ApiError, api_error_from
@@ -60,11 +61,9 @@ class Job:
 
 def render_messages(engine: LLMEngine, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
                     ) -> list[int]:
-    """Chat messages -> prompt ids; special-token text inside contents stays plain text (as LLM.render_chat)."""
-    dicts = [m.model_dump() for m in messages]
+    """Chat messages -> prompt ids (the input processor's render: contents stay plain text)."""
     try:
-        text, spans = engine.chat_template.render_with_spans(dicts, add_generation_prompt=add_generation_prompt)
-        return engine.tokenizer.encode(text, add_special_tokens=False, plain_spans=spans)
+        return engine.inputs.render_chat([m.model_dump() for m in messages], add_generation_prompt)[1]
     except NextokenError as exc:
         raise api_error_from(exc, param="messages") from None
 
@@ -73,87 +72,53 @@ def encode_prompt(engine: LLMEngine, text: str, add_special_tokens: bool, specia
     """A raw text prompt's ids: its special-token text stays plain text unless `special_tokens` (the request's
     extension field) asks for control tokens; `add_special_tokens` applies the file's BOS/EOS rules."""
     try:
-        return engine.tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                       plain_spans=() if special_tokens else [(0, len(text))])
+        return engine.inputs.encode(text, special_tokens=special_tokens, add_special_tokens=add_special_tokens)
     except NextokenError as exc:
         raise api_error_from(exc, param="prompt") from None
 
 
-def _prompts(engine: LLMEngine, request: CompletionRequest) -> list[list[int]]:
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        items: list[str | list[int]] = [prompt]
-    elif prompt and all(isinstance(t, int) for t in prompt):
-        items = [prompt]  # type: ignore[list-item]
-    else:
-        items = list(prompt)  # type: ignore[arg-type]
+def _prompts(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    """The request's prompts as ids, each through the input processor."""
+    if isinstance(request, ChatCompletionRequest):
+        if not request.messages:
+            raise ApiError(400, "messages is empty", param="messages")
+        return [render_messages(engine, request.messages)]
+    items = prompt_list(request.prompt)
     if not items:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if len(items) > MAX_PROMPTS:
         raise ApiError(400, f"{len(items)} prompts in one request; the limit is {MAX_PROMPTS}", param="prompt")
-    vocab = engine.model_config.vocab_size
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            ids = encode_prompt(engine, item, True, bool(request.special_tokens))
-        else:
-            bad = next((t for t in item if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
-                               param="prompt")
-            ids = list(item)
-        out.append(ids)
-    return out
+    try:
+        return [engine.inputs.prompt_ids(item, special_tokens=bool(request.special_tokens))[1] for item in items]
+    except NextokenError as exc:
+        raise api_error_from(exc, param="prompt") from None
 
 
 def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest, kind: Kind) -> Job:
     """Validate and tokenize; raises ApiError naming the parameter at fault."""
     prompt_param = "messages" if kind == "chat" else "prompt"
-    if isinstance(request, ChatCompletionRequest):
-        if not request.messages:
-            raise ApiError(400, "messages is empty", param="messages")
-        prompts = [render_messages(engine, request.messages)]
-    else:
-        prompts = _prompts(engine, request)
-    vocab = engine.model_config.vocab_size
-    bad_stop = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab), None)
-    if bad_stop is not None:
-        raise ApiError(400, f"stop_token_ids: {bad_stop} is outside the vocabulary (0..{vocab - 1})",
-                       param="stop_token_ids")
-    max_len = engine.max_model_len
-    pool_tokens = engine.block_manager.num_blocks * engine.block_manager.block_size
+    prompts = _prompts(engine, request)
+    inputs = engine.inputs
+    try:
+        inputs.check_stop_token_ids(request.stop_token_ids or ())
+    except NextokenError as exc:
+        raise api_error_from(exc) from None
     asked = request.requested_max_tokens()
     n = request.num_choices
     queue = engine.config.max_waiting
-    if len(prompts) * n > queue:  # admitted all at once into the waiting queue: this one never could be
-        param = "n" if n > 1 else prompt_param
-        raise ApiError(400, f"n={n} choices for {len(prompts)} prompt(s) make {len(prompts) * n} requests, more than "
-                            f"the {queue} the waiting queue holds (--max-waiting)", param=param)
     subrequests: list[SubRequest] = []
     response_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    for p, ids in enumerate(prompts):
-        if not ids:
-            raise ApiError(400, "the prompt is empty", param=prompt_param)
-        if len(ids) >= max_len:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but the context holds {max_len} (the prompt "
-                                "must leave room for at least one generated token)", param=prompt_param)
-        limit = min(max_len, pool_tokens)
-        where = "the context" if limit == max_len else "the whole KV cache"
-        room = limit - len(ids)
-        if room < 1:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens but {where} holds {limit}", param=prompt_param)
-        if asked is not None and asked > room:
-            raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {asked}: together "
-                                f"{len(ids) + asked} tokens, more than the {limit} that {where} holds",
-                           param="max_tokens")
-        try:
-            default = min(room, engine.config.max_tokens_default)  # --max-tokens-default
-            base = request.sampling_params(asked if asked is not None else default, request.seed)
-        except NextokenError as exc:
-            raise api_error_from(exc) from None
-        for i in range(n):
-            params = base if base.seed is None or i == 0 else replace(base, seed=(base.seed + i) % 2**63)
-            subrequests.append(SubRequest(f"{response_id}-{p}-{i}", ids, params))
+    try:
+        if len(prompts) * n > queue:  # admitted all at once into the waiting queue: this one never could be
+            param = "n" if n > 1 else prompt_param
+            raise ApiError(400, f"n={n} choices for {len(prompts)} prompt(s) make {len(prompts) * n} requests, more "
+                                f"than the {queue} the waiting queue holds (--max-waiting)", param=param)
+        for p, ids in enumerate(prompts):
+            max_tokens = inputs.fit(ids, asked, param=prompt_param)  # asked, or --max-tokens-default within room
+            for i, params in enumerate(choices(request.sampling_params(max_tokens, request.seed), n)):
+                subrequests.append(SubRequest(f"{response_id}-{p}-{i}", ids, params))
+    except NextokenError as exc:
+        raise api_error_from(exc) from None
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Job(kind=kind, response_id=response_id, model=engine.model_name, prompts=prompts, n=n,
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
