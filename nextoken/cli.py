@@ -83,9 +83,10 @@ def _sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
                           seed=args.seed, stop=tuple(args.stop), **extra)
 
 
-def _load_text_side(model: str) -> tuple[Any, Any, Any]:
-    """The config, tokenizer and chat template of a model without loading its weights."""
+def _load_text_side(model: str) -> Any:
+    """The input processor of a model (its tokenizer, chat template and vocabulary) without loading its weights."""
     from nextoken.engine.engine import load_text_side
+    from nextoken.engine.inputs import InputProcessor
     from nextoken.loader.gguf import read_gguf
     from nextoken.loader.registry import resolve_model
     from nextoken.models.config import ModelConfig
@@ -93,7 +94,7 @@ def _load_text_side(model: str) -> tuple[Any, Any, Any]:
     gguf = read_gguf(resolve_model(model))
     config = ModelConfig.from_gguf(gguf)
     tokenizer, template = load_text_side(gguf, config)
-    return config, tokenizer, template
+    return InputProcessor(tokenizer, template, config.vocab_size)
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -133,13 +134,14 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
-    _, tok, template = _load_text_side(args.model)
+    from nextoken.engine.inputs import Chat
+
+    inputs = _load_text_side(args.model)
+    tok = inputs.tokenizer
     text = _read_text(args.text, "text")
-    if args.chat:
-        text, spans = template.render_with_spans([{"role": "user", "content": text}])
-        ids = tok.encode(text, add_special_tokens=False, plain_spans=spans)
-    else:
-        ids = tok.encode(text)
+    # Without --chat the text is the user's own: its special-token text is control tokens.
+    rendered, ids = inputs.prompt_ids(Chat.turn(text) if args.chat else text, special_tokens=True)
+    text = rendered if rendered is not None else text
     pieces = [tok.display_piece(i) for i in ids]
     if args.json:
         print(json.dumps({"model": args.model, "ids": ids, "pieces": pieces}, ensure_ascii=False))
@@ -151,7 +153,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_detokenize(args: argparse.Namespace) -> int:
-    _, tok, _ = _load_text_side(args.model)
+    tok = _load_text_side(args.model).tokenizer
     ids = []
     for raw in args.ids:
         try:
@@ -162,23 +164,18 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompt_ids(llm: Any, args: argparse.Namespace, prompt: str) -> list[int]:
-    if args.raw:
-        return llm.tokenizer.encode(prompt)
-    messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
-        [{"role": "user", "content": prompt}]
-    return llm.render_chat(messages)[1]
-
-
 def cmd_run(args: argparse.Namespace) -> int:
+    from nextoken.engine.inputs import Chat
     from nextoken.llm import LLM, request_timings
 
     prompt = _read_text(args.prompt, "prompt")
     params = _sampling_params(args, prompt_logprobs=args.prompt_logprobs)
     llm = LLM(args.model, **_engine_options(args))
-    ids = _prompt_ids(llm, args, prompt)
+    # --raw: the text as it is, the user's own (its special-token text control tokens); else one chat turn.
+    prepared = llm.inputs.process(prompt if args.raw else Chat.turn(prompt, args.system), params, special_tokens=True)
+    ids = prepared.prompt_ids
     text, token_ids, last = [], [], None
-    for out in llm.stream(ids, params):
+    for out in llm.stream(ids, prepared.params[0]):
         if not args.json:
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
@@ -209,6 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    from nextoken.engine.inputs import Chat
     from nextoken.llm import LLM
 
     llm = LLM(args.model, **_engine_options(args))
@@ -225,9 +223,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         messages.append({"role": "user", "content": line})
-        _, ids = llm.render_chat(messages)
+        prepared = llm.inputs.process(Chat(messages), params)
         reply = []
-        for out in llm.stream(ids, params):
+        for out in llm.stream(prepared.prompt_ids, prepared.params[0]):
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
             reply.append(out.new_text)

@@ -1,5 +1,5 @@
 """One request through the engine, step by step, with a tracer watching: the path `nextoken run` takes
-(`LLM.render_chat`, `LLMEngine.add_request`, `LLMEngine.step` until the request finishes), timed as a whole.
+(the engine's input processor, `LLMEngine.add_request`, `LLMEngine.step` until the request finishes), timed as a whole.
 
 The engine must be idle: the tracer takes every forward pass to be this request's. Also here: `--compare`
 settings ("temperature=0.2,top_p=0.9") parsed into SamplingParams, validated like any other.
@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nextoken.engine.inputs import Chat
 from nextoken.errors import NextokenError
 from nextoken.sampling_params import SamplingParams
 from nextoken.trace.tracer import NullTracer
@@ -57,12 +58,9 @@ def run_request(llm: LLM, prompt: str, params: SamplingParams, *, raw: bool = Fa
     try:
         start = time.perf_counter()
         tracer.start(start)
-        if raw:
-            text, prompt_ids = prompt, llm.tokenizer.encode(prompt)
-        else:
-            messages = ([{"role": "system", "content": system}] if system else []) + \
-                [{"role": "user", "content": prompt}]
-            text, prompt_ids = llm.render_chat(messages)
+        # As `nextoken run`: the text as it is (the user's own: special-token text is control tokens), or one turn.
+        rendered, prompt_ids = llm.inputs.prompt_ids(prompt if raw else Chat.turn(prompt, system), special_tokens=True)
+        text = rendered if rendered is not None else prompt
         tracer.record("tokenize", start, time.perf_counter())
         request_id = engine.add_request(prompt_ids, params, f"trace-{next(_ids)}")
         request = engine.get_request(request_id)
