@@ -25,7 +25,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None  # [num_logits] int64; None: every token's row
     sample_rows: list[int | None]  # per scheduled request
     prompt_logprob_rows: list[tuple[int, int, int] | None]  # per request: (first row, rows, first position)
-    greedy_ids: list[int] | None = None  # each sampling row's argmax, where the step took it (DecodeBatch's)
 
     @classmethod
     def build(cls, scheduled: list[ScheduledRequest], block_size: int, device: torch.device) -> ForwardBatch:
@@ -106,8 +105,8 @@ class DecodeBatch:
     block_size: int
     sample_rows: list[int | None]
     prompt_logprob_rows: list[tuple[int, int, int] | None]
-    # Each row's argmax, where the native step took it (every row greedy, without penalties or log-probabilities).
-    greedy_ids: list[int] | None = None
+    # Each row's argmax, where the step took it because the sampler said nothing else is needed (argmax_only).
+    argmax_ids: list[int] | None = None
     logits: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod

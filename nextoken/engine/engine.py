@@ -21,6 +21,7 @@ import torch
 
 from nextoken.cache.block_manager import BlockManager
 from nextoken.config import EngineConfig
+from nextoken.engine.batch import DecodeBatch
 from nextoken.engine.inputs import InputProcessor, Limits
 from nextoken.engine.output import TextStream
 from nextoken.engine.request import Request, RequestOutput, RequestStatus
@@ -176,8 +177,8 @@ class LLMEngine:
         sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
         result: SampleResult | None = None
         failed: set[int] = set()
-        if batch.greedy_ids is not None:  # the step took every row's argmax (all greedy, nothing else asked)
-            result = SampleResult(batch.greedy_ids, [None] * len(batch.greedy_ids))
+        if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None:  # as the sampler allowed (argmax_only)
+            result = Sampler.from_argmax(batch.argmax_ids)
         elif sampling:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
                                 scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)

@@ -16,6 +16,7 @@ from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
 from nextoken.engine.batch import DecodeBatch, ForwardBatch
 from nextoken.engine.graphs import DecodeGraphs
+from nextoken.engine.sampler import Sampler
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import GGUFFile
@@ -169,8 +170,9 @@ class ModelRunner:
         return self._forward(scheduled)
 
     def _native_step(self, scheduled: list[ScheduledRequest]) -> DecodeBatch | None:
-        """A pure decode step in one native call (NativeStep), where it applies; None otherwise. Where every row is
-        greedy, without penalties or log-probabilities, the batch carries each row's argmax."""
+        """A pure decode step in one native call (NativeStep), where it applies; None otherwise. Where the sampler
+        says each row's argmax is all the step needs (`Sampler.argmax_only`), the call takes it too and the batch
+        carries it (`argmax_ids`); the logits are written either way."""
         fused = self.model.fused
         if fused is None:
             return None
@@ -183,9 +185,8 @@ class ModelRunner:
         if batch is None:
             return None
         logits = self._logits_buffer(batch.rows)
-        greedy = all(p.is_greedy and not p.has_penalties and p.logprobs is None
-                     for p in (item.request.params for item in scheduled))
-        batch.greedy_ids = step.run(batch.ints, batch.rows, batch.table_stride, self.kv_pool.layers, logits, greedy)
+        argmax = Sampler.argmax_only(item.request.params for item in scheduled)
+        batch.argmax_ids = step.run(batch.ints, batch.rows, batch.table_stride, self.kv_pool.layers, logits, argmax)
         batch.logits = self._logits_rows(batch.rows)
         return batch
 

@@ -1,4 +1,5 @@
-"""The sampler: logits [num_seqs, vocab] -> one token id per sequence, plus log-probabilities when asked.
+"""The sampler: logits [num_seqs, vocab] -> one token id per sequence, plus log-probabilities when asked. It makes
+every sampling decision, from whether a step needs more than its rows' argmax (`argmax_only`) to the draw.
 
 Stage order, each stage skipped when no row of the batch uses it:
   1. penalties (repetition over prompt + output; presence and frequency over output)
@@ -20,6 +21,7 @@ Log-probabilities are those of the raw model distribution (log_softmax of the un
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -192,6 +194,18 @@ class Sampler:
         self.default_generator.seed()
         # fp32 CPU rows draw in one native call (nt_sample_rows: the same stages) where the kernels are built.
         self.native_draws = native_draws
+
+    @staticmethod
+    def argmax_only(params: Iterable[SamplingParams]) -> bool:
+        """Whether a step's tokens are its rows' argmax and nothing else is needed from its logits: every row
+        greedy, without penalties (they change the logits first) or log-probabilities. A step that can take the
+        argmax itself (the native decode step) then hands back only the ids (`from_argmax`)."""
+        return all(p.is_greedy and not p.has_penalties and p.logprobs is None for p in params)
+
+    @staticmethod
+    def from_argmax(token_ids: list[int]) -> SampleResult:
+        """The result of a step whose rows `argmax_only` let take their argmax elsewhere."""
+        return SampleResult(token_ids, [None] * len(token_ids))
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         """logits [num_rows, vocab] fp32 (one row per entry of `rows`)."""
