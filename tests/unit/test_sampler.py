@@ -281,6 +281,32 @@ def test_native_draw_edges() -> None:
     assert native.sample_rows(lib, both, [0.01] * 2, [0] * 2, [0.9] * 2, [0.0] * 2, edges) == [1500, 1500]
 
 
+@needs_native
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_native_min_p_below_a_hundredth_keeps_what_it_allows(top_k: int) -> None:
+    """min-p alone (or with top-k) at 0.001 keeps a token at 0.005 of the best: the candidates the draw gathers
+    first (those within 100x of the best) must not stand in for min-p's own set."""
+    lib = native.library()
+    row = torch.full((3000,), float("-inf"))
+    row[[10, 2000]] = torch.tensor([0.0, math.log(0.005)])
+    logits = row.expand(2, -1).contiguous()
+    want = reference_distribution(row.double().numpy(), 1.0, top_k, 1.0, 0.001)
+    assert want[2000] > 0.004
+    got = native.sample_rows(lib, logits, [1.0] * 2, [top_k] * 2, [1.0] * 2, [0.001] * 2, [0.0, 1 - 1e-9])
+    assert got == [10, 2000]
+
+
+@needs_native
+def test_native_draw_of_a_fully_masked_row_is_its_first_token() -> None:
+    """Every logit -inf (a grammar or bias that left nothing): each filter route answers token 0, as torch's
+    argmax does, never an index read from memory the draw did not write."""
+    lib = native.library()
+    logits = torch.full((4, 1000), float("-inf"))
+    for p in [(1.0, 0, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (1.0, 3, 1.0, 0.0), (0.5, 0, 0.9, 0.0)]:
+        got = native.sample_rows(lib, logits, [p[0]] * 4, [p[1]] * 4, [p[2]] * 4, [p[3]] * 4, [0.0, 0.3, 0.7, 0.99])
+        assert got == [0] * 4, p
+
+
 def test_rewind_puts_a_seeded_generator_back_where_the_step_began() -> None:
     # After a failed batch draw the engine draws each row again alone: a seeded row must draw what it drew first.
     logits = torch.zeros(1, 4096)  # flat: each uniform lands on a token of its own

@@ -159,13 +159,15 @@ static int64_t gather_candidates(const float *e, int64_t n, float cut, scored *c
 static int64_t sample_row(const float *l, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
                           double u, float *e, double *sums, scored *cand, float *vals, int32_t *ids) {
     const float top = row_max(l, n);
+    if (!(top > -INFINITY)) return argmax_row(l, n); /* nothing can be drawn (every logit -inf, or a NaN): token 0 */
     const float inv_t = 1.0f / temperature;
     const double z = exp_row(l, n, top, inv_t, e, sums);
     const int by_k = top_k > 0 && top_k < n, by_p = top_p < 1.0f, by_min = min_p > 0.0f;
     if (!by_k && !by_p && !by_min) return draw_index(e, n, sums, z, u); /* in vocabulary order */
     /* Candidates: the tokens within a factor of the best, widened until they hold the filtered row. */
     const float floor_p = by_min ? min_p : 0.0f;
-    float cut = floor_p > 1e-2f ? floor_p : 1e-2f; /* most rows' filters keep tokens within 100x of the best */
+    /* Most rows' filters keep tokens within 100x of the best; min-p without top-p keeps exactly its own set. */
+    float cut = by_min && !by_p ? floor_p : floor_p > 1e-2f ? floor_p : 1e-2f;
     int64_t m = 0;
     for (;;) {
         double mass = 0.0;
