@@ -131,9 +131,9 @@ class FusedDecoder:
         return self._caches[1]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, profile: ctypes.Array | None = None) -> torch.Tensor:
         """x [tokens, hidden] (the batch's new tokens, laid out as meta says) -> the residual stream after the last
-        block, through the model's final norm."""
+        block, through the model's final norm; each block timed into `profile` where given (native.profile_buffer)."""
         rope_tables, _ = self.rope_tables(max(meta.seq_lens))  # a token's position is below its sequence's length
         if meta.is_decode_only:
             _, seq_lens, _ = meta.single_queries()
@@ -153,7 +153,7 @@ class FusedDecoder:
         with _named("nextoken::decode_layers"):
             native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
                                  self.layers, caches, rope_tables, scratch, self.gemm_rows, self.final_norm,
-                                 query_start)
+                                 query_start, profile)
         return x
 
 
