@@ -95,10 +95,13 @@ def test_attention_maps_rerun_fused_steps_on_the_modules(arch: str, calls: dict[
     unchanged: list[bool] = []
     replay = tracer_module.replay_on_modules
 
+    def bits(t: torch.Tensor) -> torch.Tensor:  # compared as bytes: slots never written may hold NaN patterns
+        return t.view(torch.uint8).clone()
+
     def watched(*args: object) -> object:  # the engine's cache before and after each re-run
-        before = [(layer.k.clone(), layer.v.clone()) for layer in pool.layers]
+        before = [(bits(layer.k), bits(layer.v)) for layer in pool.layers]
         agreement = replay(*args)
-        unchanged.append(all(torch.equal(k, layer.k) and torch.equal(v, layer.v)
+        unchanged.append(all(torch.equal(k, bits(layer.k)) and torch.equal(v, bits(layer.v))
                              for (k, v), layer in zip(before, pool.layers)))
         return agreement
 
@@ -120,6 +123,21 @@ def test_attention_maps_rerun_fused_steps_on_the_modules(arch: str, calls: dict[
     capture = tracer.attention
     assert capture is not None
     assert sorted(capture.rows) == list(range(len(traced.prompt_ids) + 5))  # every query position has its map
+
+
+def test_a_rerun_that_disagrees_is_flagged(q8_llama_llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bar is not vacuous: a fused step whose logits were off by 0.1 (a misplaced window or slot moves them by
+    about 1) does not pass it."""
+    replay = tracer_module.replay_on_modules
+
+    def off(model, pool, table, ids, first, logits, int8):  # type: ignore[no-untyped-def]
+        return replay(model, pool, table, ids, first, None if logits is None else logits + 0.1, int8)
+
+    monkeypatch.setattr(tracer_module, "replay_on_modules", off)
+    tracer = RecordingTracer(capture_attention=True)
+    run_request(q8_llama_llm, PROMPT, GREEDY, tracer=tracer)
+    assert tracer.replays and not any(a.agrees for a in tracer.replays)
+    assert all(a.logits_diff is not None and a.logits_diff > a.logits_bar for a in tracer.replays)
 
 
 def test_counters_cost_nothing_when_off(q8_gemma_llm: LLM, calls: dict[str, list]) -> None:
