@@ -20,7 +20,7 @@ import torch
 
 from nextoken.models.probe import MODULES
 from nextoken.trace.replay import Agreement
-from nextoken.trace.report import PATH_LABELS, describe_paths, describe_replay, show_piece
+from nextoken.trace.report import PATH_LABELS, describe_agreement, describe_paths, describe_replay, show_piece
 from nextoken.trace.run import RunResult
 from nextoken.trace.summary import Summary
 from nextoken.trace.tracer import STAGES, RecordingTracer
@@ -158,9 +158,8 @@ build();
 
 
 def _replay_text(a: Agreement) -> str:
-    logits = "" if a.logits_diff is None else f"logits max |Δ| {a.logits_diff:.2g} (bar {a.logits_bar:.2g}), "
     return (f"its attention maps come from a re-run of this step on the module path, which "
-            f"{'agrees' if a.agrees else 'does NOT agree'}: {logits}K/V max |Δ| {a.kv_diff:.2g} (bar {a.kv_bar:.2g})")
+            f"{'agrees' if a.agrees else 'does NOT agree'}; closest to its bar: {describe_agreement(a)}")
 
 
 def _attention_data(tracer: RecordingTracer, summary: Summary) -> dict[str, Any]:

@@ -78,7 +78,8 @@ def test_report_names_the_path_each_phase_took(tmp_path: Path) -> None:
     assert "same tokens as the untraced run: yes" in flat
     fused = 5 if prefill == "fused blocks" else 4
     assert re.search(rf"the {fused} steps that ran fused were re-run on the module path .* and the re-runs agree "
-                     r"with the fused steps; closest to its bar: logits max \|Δ\| \S+ \(bar \S+\), K/V", flat)
+                     r"with the fused steps, value by value; closest to its bar: a logit \S+ apart \(its bar \S+\), "
+                     r"a K/V value", flat)
 
 
 def test_compare_has_one_column_per_setting_with_entropies(tiny_llama: Path) -> None:
