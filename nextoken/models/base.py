@@ -21,6 +21,7 @@ from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
 from nextoken.models.layers import Linear, RMSNorm
+from nextoken.models.probe import FUSED_BLOCKS, MODULES, ForwardProbe
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
@@ -43,6 +44,7 @@ class CausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self.quantized_head: Int8GroupHead | None = None  # set by load_gguf(quantize_head=True)
         self.fused: FusedDecoder | None = None  # set by load_gguf where every projection is block-quantized
+        self.probe: ForwardProbe | None = None  # an observer of forward passes (a tracer's), on whichever path
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
@@ -84,23 +86,38 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
-                logits_out: torch.Tensor | None = None) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None, *, modules: bool = False) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> logits [len(logits_indices) or num_tokens, vocab] (fp32), in
         `logits_out` where given (compute_logits).
 
         Only the rows named by `logits_indices` go through the LM head: in prefill, usually just each sequence's
-        last token.
+        last token. With `modules`, every block runs through its torch modules even where the fused decoder would
+        take them (a tracer re-running a fused step to look inside its layers). A probe, where set, is told of each
+        stage (ForwardProbe).
         """
+        probe = self.probe
+        if probe is not None:
+            probe.begin(positions)
         x = self.embed(input_ids)
-        fused = self.fused is not None and self.fused.applies(x, kv_caches, meta)
+        fused = not modules and self.fused is not None and self.fused.applies(x, kv_caches, meta)
+        if probe is not None:
+            probe.embedded(FUSED_BLOCKS if fused else MODULES)
         if fused:
-            x = self.fused(x, positions, kv_caches, meta)  # the final norm included
+            # The final norm included; a probe's profile gets the blocks' times.
+            x = self.fused(x, positions, kv_caches, meta, None if probe is None else probe.profile)
         else:
-            for layer, kv_cache in zip(self.layers, kv_caches):
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
                 x = layer(x, positions, kv_cache, meta)
+                if probe is not None:
+                    probe.layer_done(i)
+        if probe is not None:
+            probe.blocks_done()
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        return self.compute_logits(x if fused else self.norm(x), logits_out)
+        logits = self.compute_logits(x if fused else self.norm(x), logits_out)
+        if probe is not None:
+            probe.end(logits)
+        return logits
 
     # --- loading -------------------------------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ Small batches are bound by the bytes of the weights, and their products run on t
 projection's packed panels (the ones its module uses for prefill), or with AVX-512 VNNI, where projections keep no
 panels, the int16 GEMM over the blocks; the step stays one native call either way.
 
-It is only a faster route through the same model: the modules stay the definition (GPUs and traced runs use them;
-`nextoken trace` hooks them to show each stage), and tests hold the two to the same outputs. It applies when every
-projection is block-quantized on the native kernels.
+It is only a faster route through the same model: the modules stay the definition (GPUs use them, and so does a
+tracer that re-runs a fused step to show its attention), and tests hold the two to the same outputs. It applies when
+every projection is block-quantized on the native kernels. A traced run takes it too: both calls time their stages
+into a probe's profile (models/probe.py) where one is set, and time nothing otherwise.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def _norm(norm: RMSNorm | None) -> int | None:
 
 
 def _hooked(*modules: torch.nn.Module) -> bool:
-    """Whether something watches these modules (a tracer's hooks: it must see the modules run)."""
+    """Whether something hooks these modules, and so expects to see them run. (The tracer does not hook them: it
+    watches every path through the model's probe, and its hooks on the attention and MLP modules fire only where
+    the modules run.)"""
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
@@ -108,8 +111,8 @@ class FusedDecoder:
 
     def applies(self, x: torch.Tensor, kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> bool:
         """Batches of fp32 CPU rows over a cache the native attention reads, decode-only or (where the prefill kernel
-        runs: AVX-512, head sizes a multiple of 16) any, with no hooks on the blocks (a tracer watching them sees
-        the modules run)."""
+        runs: AVX-512, head sizes a multiple of 16) any, with no hooks on the blocks (whoever hooks them expects
+        to see them run)."""
         return ((meta.is_decode_only or self.chunks) and x.dtype == torch.float32
                 and native.attends(x.device, kv_caches[0].k.dtype, kv_caches[0].k.shape[-1])
                 and not _hooked(self.model.layers[0], self.model.norm))
@@ -131,9 +134,9 @@ class FusedDecoder:
         return self._caches[1]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, profile: ctypes.Array | None = None) -> torch.Tensor:
         """x [tokens, hidden] (the batch's new tokens, laid out as meta says) -> the residual stream after the last
-        block, through the model's final norm."""
+        block, through the model's final norm; each block timed into `profile` where given (native.profile_buffer)."""
         rope_tables, _ = self.rope_tables(max(meta.seq_lens))  # a token's position is below its sequence's length
         if meta.is_decode_only:
             _, seq_lens, _ = meta.single_queries()
@@ -153,7 +156,7 @@ class FusedDecoder:
         with _named("nextoken::decode_layers"):
             native.decode_layers(self.lib, x, positions, meta.slot_mapping, seq_lens, meta.block_tables,
                                  self.layers, caches, rope_tables, scratch, self.gemm_rows, self.final_norm,
-                                 query_start)
+                                 query_start, profile)
         return x
 
 
@@ -209,7 +212,7 @@ class NativeStep:
         return cls(fused.lib, model, fused)
 
     def applies(self, rows: int, kv_caches: list[KVCacheLayer]) -> bool:
-        """As FusedDecoder.applies, for `rows` sequences (the model itself watched too: this step bypasses its
+        """As FusedDecoder.applies, for `rows` sequences (the model itself hooked too: this step bypasses its
         forward)."""
         if self._attends is None or self._attends[0] is not kv_caches:
             k = kv_caches[0].k
@@ -221,7 +224,8 @@ class NativeStep:
         """The step over `rows` sequences whose token ids, positions, cache slots, context lengths ([rows] each) and
         block tables ([rows, table_stride], padded) are `ints` in that order (the engine's DecodeBatch), their caches
         in `kv_caches`; the logits into `logits` ([at least rows, vocab] fp32, contiguous rows). Returns each row's
-        argmax with `greedy`, else None."""
+        argmax with `greedy`, else None. Where the model has a probe, the step times itself into the probe's profile
+        and tells the probe (the only work this adds untraced: two tests of an attribute)."""
         plan = self.plan
         if rows > plan.max_rows:
             self._grow(rows)
@@ -239,8 +243,17 @@ class NativeStep:
         _, address, stride = self._logits
         inputs = (ctypes.c_int64 * len(ints))(*ints)
         argmax = self._argmax if greedy else None
-        with _named("nextoken::decode_step"):
-            native.decode_step(self.lib, plan, inputs, rows, table_stride, address, stride, argmax)
+        probe = self.model.probe
+        if probe is not None:
+            plan.profile = ctypes.addressof(probe.profile)
+        try:
+            with _named("nextoken::decode_step"):
+                native.decode_step(self.lib, plan, inputs, rows, table_stride, address, stride, argmax)
+        finally:
+            if probe is not None:
+                plan.profile = None  # the plan outlives this probe: no later step times into its buffer
+        if probe is not None:
+            probe.native_step(ints[rows:2 * rows], logits[:rows], greedy)
         return argmax[:rows] if argmax is not None else None
 
     def _grow(self, rows: int) -> None:

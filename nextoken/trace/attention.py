@@ -1,8 +1,9 @@
 """Attention weights for display, recomputed from the post-RoPE q and k the model produced.
 
-The model's attention kernel never materializes its weights (SDPA fuses them away), so the tracer keeps q and k as
-the rotary module returns them and computes softmax(q·kᵀ · scale) under the same causal and sliding-window mask
-between steps, outside every timed span. Memory stays bounded: keys of the selected layers (as much as this
+The model's attention kernel never materializes its weights (SDPA and the native kernels fuse them away), so the
+tracer keeps q and k as the rotary module returns them (for a step that ran fused, in its re-run on the modules:
+replay.py) and computes softmax(q·kᵀ · scale) under the same causal and sliding-window mask between steps, outside
+every timed span. Memory stays bounded: keys of the selected layers (as much as this
 request's own KV cache), one fp16 row per kept query position, and at most `budget` weights in all; when the full
 set would not fit, an evenly spaced subset of layers is kept (always the first and the last).
 """

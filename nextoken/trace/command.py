@@ -28,7 +28,7 @@ class TraceOptions:
     lm_head: str = "auto"
     activations: str = "int16"
     device: str = "auto"
-    cuda_graphs: bool = True  # taken for the command line's sake: a traced run is always eager (hooks see each op)
+    cuda_graphs: bool = True  # taken for the command line's sake: a traced run is always eager (graphs skip the probe)
     threads: int | None = None
     raw: bool = False
     system: str | None = None

@@ -1,9 +1,10 @@
 """The trace as one self-contained HTML page: inline CSS, JavaScript and data, no network fetch of any kind.
 
 The page shows the prompt and generated tokens (generated ones coloured by the probability of the drawn token); a
-click on a token shows its top-K alternatives and, for the layer and head chosen in the selectors, its attention over
-the context as a heatmap (one cell per context token), beside the prompt's full attention matrix; below, a timeline
-of the stages. Attention rows are stored as uint8 relative to each row's maximum (base64), with the maxima beside
+click on a token shows its top-K alternatives and the path its step took and, for the layer and head chosen in the
+selectors, its attention over the context as a heatmap (one cell per context token), beside the prompt's full
+attention matrix, with a note of where the maps came from (the run's own modules, or fused steps re-run on them);
+below, a timeline of the stages. Attention rows are stored as uint8 relative to each row's maximum (base64), with the maxima beside
 them. Data goes in as JSON with <, > and & escaped, and the script only ever sets textContent, so no token can
 inject markup.
 """
@@ -17,7 +18,9 @@ from typing import Any
 
 import torch
 
-from nextoken.trace.report import show_piece
+from nextoken.models.probe import MODULES
+from nextoken.trace.replay import Agreement
+from nextoken.trace.report import PATH_LABELS, describe_agreement, describe_paths, describe_replay, show_piece
 from nextoken.trace.run import RunResult
 from nextoken.trace.summary import Summary
 from nextoken.trace.tracer import STAGES, RecordingTracer
@@ -103,6 +106,8 @@ function select(i) {
     const s = D.steps[t.step];
     alt.appendChild(el('div', {class: 'muted'}, 'entropy ' + s.h_raw.toFixed(2) + ' bits raw, ' +
       s.h_final.toFixed(2) + ' as sampled; ' + s.kept + ' tokens kept'));
+    alt.appendChild(el('div', {class: 'muted path'}, 'computed on: ' + s.path));
+    if (s.replay) alt.appendChild(el('div', {class: 'muted'}, s.replay));
     const tb = el('table'), pct = x => x === null ? '-' : (100 * x).toFixed(1) + '%';
     tb.appendChild(el('tr')).append(el('th', {}, 'candidate'), el('th', {}, 'raw'), el('th', {}, 'after T'),
                                     el('th', {}, 'final'), el('th'));
@@ -119,6 +124,8 @@ function select(i) {
 }
 function build() {
   $('generated').textContent = D.text;
+  $('paths').textContent = 'forward passes: ' + D.paths;
+  $('attn-note').textContent = D.attention.source;
   const box = $('tokens');
   D.tokens.forEach((t, i) => {
     const s = el('span', {id: 'tok-' + i, class: 'tok ' + (t.gen ? 'gen' : 'prompt') + (t.special ? ' special' : ''),
@@ -150,10 +157,20 @@ build();
 """
 
 
-def _attention_data(tracer: RecordingTracer) -> dict[str, Any]:
+def _replay_text(a: Agreement) -> str:
+    return (f"its attention maps come from a re-run of this step on the module path, which "
+            f"{'agrees' if a.agrees else 'does NOT agree'}; closest to its bar: {describe_agreement(a)}")
+
+
+def _attention_data(tracer: RecordingTracer, summary: Summary) -> dict[str, Any]:
     capture = tracer.attention
     if capture is None:
-        return {"layers": [], "heads": 0, "rows": {}}
+        return {"layers": [], "heads": 0, "rows": {}, "source": "no attention maps were kept"}
+    modules = sum(s.path == MODULES for s in tracer.steps)
+    source = (f"computed from the q and k of the torch modules: {modules} step{'s' * (modules != 1)} ran on them. "
+              if modules else "")
+    if summary.replay is not None:
+        source += describe_replay(summary.replay)
     rows: dict[str, Any] = {}
     for pos, weights in capture.rows.items():
         w = weights.float()  # [layers, heads, pos + 1]
@@ -161,7 +178,7 @@ def _attention_data(tracer: RecordingTracer) -> dict[str, Any]:
         quantized = (w / peak * 255).round().to(torch.uint8)
         rows[str(pos)] = {"w": base64.b64encode(quantized.numpy().tobytes()).decode("ascii"),
                           "scale": [round(x, 6) for x in peak.flatten().tolist()]}
-    return {"layers": capture.layers, "heads": capture.num_heads, "rows": rows}
+    return {"layers": capture.layers, "heads": capture.num_heads, "rows": rows, "source": source}
 
 
 def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
@@ -175,22 +192,26 @@ def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
         tokens.append({"pos": pos, "id": tid, "text": tok.display_piece(tid), "gen": False,
                        "special": tid in tok.special_ids})
     steps = []
-    for i, rec in enumerate(tracer.samples):
+    for i, step in enumerate(s for s in tracer.steps if s.sample is not None):
+        rec = step.sample
+        assert rec is not None
         tokens.append({"pos": len(run.prompt_ids) + i, "id": rec.token_id, "text": tok.display_piece(rec.token_id),
                        "gen": True, "special": rec.token_id in tok.special_ids, "p": rec.drawn_raw_prob, "step": i})
         cands = [[show_piece(tok, c), pr, pt, pf, c == rec.token_id]
                  for c, pr, pt, pf in zip(rec.top_ids, rec.raw_probs, rec.temp_probs, rec.final_probs)]
         if rec.token_id not in rec.top_ids:  # drawn from outside the top K: still show it
             cands.append([show_piece(tok, rec.token_id), rec.drawn_raw_prob, None, rec.drawn_final_prob, True])
-        steps.append({"cands": cands, "h_raw": rec.entropy_raw, "h_final": rec.entropy_final, "kept": rec.num_kept})
+        steps.append({"cands": cands, "h_raw": rec.entropy_raw, "h_final": rec.entropy_final, "kept": rec.num_kept,
+                      "path": f"{step.path} ({PATH_LABELS[step.path]})",
+                      "replay": None if step.replay is None else _replay_text(step.replay)})
     lanes = []
     for stage in STAGES:
         spans = [list(tracer.spans[stage])] if stage in tracer.spans else []
         spans += [list(s.spans[stage]) for s in tracer.steps if stage in s.spans]
         lanes.append({"name": stage, "color": _COLORS[stage], "total": summary.stage_s[stage], "spans": spans})
     return {"model": summary.model_name, "num_prompt": len(run.prompt_ids), "tokens": tokens, "steps": steps,
-            "attention": _attention_data(tracer), "timeline": {"total": run.total_s, "stages": lanes},
-            "text": run.text}
+            "attention": _attention_data(tracer, summary), "timeline": {"total": run.total_s, "stages": lanes},
+            "text": run.text, "paths": describe_paths(summary.paths)}
 
 
 def render_html(llm: Any, run: RunResult, summary: Summary) -> str:
@@ -207,9 +228,11 @@ def render_html(llm: Any, run: RunResult, summary: Summary) -> str:
         f"<h1>{_escape(title)}</h1><div class=\"muted\">{len(run.prompt_ids)} prompt tokens, "
         f"{len(run.output_ids)} generated ({_escape(how)}), {run.total_s * 1e3:,.1f} ms; generated tokens are "
         "coloured by the probability of the drawn token (red low, green high). Click a token.</div>"
+        "<div id=\"paths\" class=\"muted\"></div>"
         "<h2>Tokens</h2><div id=\"tokens\"></div><div class=\"muted\">generated text: "
         "<span id=\"generated\"></span></div>"
         "<div id=\"panel\"><div id=\"alts\"></div><div><h2>Attention</h2>"
+        "<div id=\"attn-note\" class=\"muted\"></div>"
         "<label>layer <select id=\"layer\"></select></label> <label>head <select id=\"head\"></select></label>"
         "<div id=\"heat-title\" class=\"muted\"></div><div id=\"heat\"></div>"
         "<h2>Prompt attention matrix (query rows, key columns)</h2><canvas id=\"matrix\"></canvas></div></div>"

@@ -15,8 +15,10 @@ from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
 
+from nextoken.models.probe import FUSED_BLOCKS, MODULES, NATIVE_STEP, PATHS
+from nextoken.trace.replay import Agreement
 from nextoken.trace.run import RunResult
-from nextoken.trace.summary import Summary, positional_scheme
+from nextoken.trace.summary import ReplaySummary, Summary, positional_scheme
 from nextoken.trace.tracer import STAGES, RecordingTracer
 
 PIPED_WIDTH = 120
@@ -24,6 +26,8 @@ MAX_TOKEN_ROWS = 64  # longer prompts show their first and last tokens only
 STAGE_LABELS = {"tokenize": "tokenize (chat template + encode)", "schedule": "schedule + batch",
                 "embedding": "embedding", "blocks": "transformer blocks", "lm_head": "final norm + LM head",
                 "sampling": "sampling", "detokenize": "detokenize + update", "trace": "tracer's own work"}
+PATH_LABELS = {NATIVE_STEP: "the whole step in one native call, greedy rows' argmax included",
+               FUSED_BLOCKS: "every block in one native call", MODULES: "the torch modules, block by block"}
 
 
 def make_console(file: Any = None) -> Console:
@@ -55,6 +59,28 @@ def show_piece(tokenizer: Any, token_id: int) -> str:
 def piece_hex(tokenizer: Any, token_id: int) -> str:
     data = tokenizer.piece_bytes(token_id)
     return "" if data.isascii() else data.hex(" ")
+
+
+def describe_paths(paths: dict[str, dict[str, int]]) -> str:
+    """"prefill: 1 step on fused blocks; decode: 15 steps on native step (fused blocks: ...; native step: ...)"."""
+    phases = [f"{phase}: " + ", ".join(f"{n} step{'s' * (n != 1)} on {path}" for path, n in counts.items())
+              for phase, counts in paths.items() if counts]
+    used = [p for p in PATHS if any(p in counts for counts in paths.values())]
+    return "; ".join(phases) + " (" + "; ".join(f"{p}: {PATH_LABELS[p]}" for p in used) + ")"
+
+
+def describe_replay(r: ReplaySummary) -> str:
+    """How the fused steps' re-runs on the module path (for the attention maps) compared with the steps."""
+    verdict = "agree with" if r.agree else "do NOT agree with"
+    return (f"attention maps: the {r.num_steps} steps that ran fused were re-run on the module path (over a private "
+            f"copy of their cache) to see inside their layers, and the re-runs {verdict} the fused steps, value by "
+            f"value; closest to its bar: {describe_agreement(r.closest)}")
+
+
+def describe_agreement(a: Agreement) -> str:
+    """"a logit 2.9e-06 apart (its bar 0.031), a K/V value 1.2e-06 apart (its bar 0.002)"."""
+    logits = "" if a.logits_diff is None else f"a logit {a.logits_diff:.2g} apart (its bar {a.logits_bar:.2g}), "
+    return f"{logits}a K/V value {a.kv_diff:.2g} apart (its bar {a.kv_bar:.2g})"
 
 
 def _heading(console: Console, title: str) -> None:
@@ -133,7 +159,9 @@ def _blocks(console: Console, llm: Any, tracer: RecordingTracer, s: Summary) -> 
     stages.add_row(Text("measured total", style="bold"), "", "", "", ms(s.total_s), "100%")
     console.print(stages)
     console.print(f"stages add up to {s.coverage:.1%} of the measured total")
-    layers = Table(title="per layer (attention / feed-forward / norms and residuals, from module hooks)",
+    console.print(f"forward passes, on the paths an untraced run takes: {describe_paths(s.paths)}")
+    layers = Table(title="per layer (attention / feed-forward / norms and residuals): from the native calls' own "
+                         "counters where steps ran fused, from module hooks where the modules ran",
                    title_justify="left", show_edge=False)
     for col in ("layer", "attention span", "prefill attn ms", "prefill ffn ms", "prefill other ms",
                 "decode attn ms/step", "decode ffn ms/step", "decode other ms/step"):
@@ -236,12 +264,14 @@ def _overhead(console: Console, s: Summary) -> None:
     _heading(console, "Tracing overhead")
     if s.baseline_s is None:
         console.print("no untraced run to compare with")
-        return
-    console.print(f"untraced run {ms(s.baseline_s)} ms, traced run {ms(s.total_s)} ms "
-                  f"({s.total_s / s.baseline_s:.2f}x; {ms(s.stage_s['trace'])} ms of it the tracer's own work "
-                  f"between steps)")
-    verdict = "yes" if s.same_tokens else "NO" if s.deterministic else "no (sampling without a seed)"
-    console.print(f"same tokens as the untraced run: {verdict}")
+    else:
+        console.print(f"untraced run {ms(s.baseline_s)} ms, traced run {ms(s.total_s)} ms "
+                      f"({s.total_s / s.baseline_s:.2f}x; {ms(s.stage_s['trace'])} ms of it the tracer's own work "
+                      f"between steps)")
+        verdict = "yes" if s.same_tokens else "NO" if s.deterministic else "no (sampling without a seed)"
+        console.print(f"same tokens as the untraced run: {verdict}")
+    if s.replay is not None:
+        console.print(describe_replay(s.replay))
 
 
 def print_compare(console: Console, llm: Any, labels: list[str], runs: list[RunResult]) -> None:

@@ -3,7 +3,8 @@ the terminal and HTML renderers print the same numbers. Times are seconds, sizes
 
 The measured total is the traced run's wall time; `coverage` is the share of it the measured stages explain (the
 rest: the driver loop and the few engine lines between spans). Achieved rates divide the FLOPs and bytes of
-cost.ModelCost by the forward-pass time (embedding + blocks + LM head) of the same steps.
+cost.ModelCost by the forward-pass time (embedding + blocks + LM head) of the same steps. `paths` says which path the
+steps of each phase took (models/probe.py), `replay` how the fused steps re-run on the modules compared.
 """
 
 from __future__ import annotations
@@ -15,10 +16,32 @@ import torch
 
 from nextoken.ops.quant_linear import BlockEmbedding, BlockLinear
 from nextoken.trace.cost import MachinePeaks, ModelCost
+from nextoken.trace.replay import Agreement
 from nextoken.trace.run import RunResult
 from nextoken.trace.tracer import RecordingTracer
 
 FORWARD_STAGES = ("embedding", "blocks", "lm_head")
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    """The fused steps re-run on the module path for their attention maps: how many, whether every one agreed with
+    its fused step, and the step that came closest to its bar (its differences and bars: Agreement)."""
+
+    num_steps: int
+    agree: bool
+    closest: Agreement
+
+    @classmethod
+    def of(cls, replays: list[Agreement]) -> ReplaySummary | None:
+        if not replays:
+            return None
+
+        def share(a: Agreement) -> float:  # of its bar, the larger of the two differences
+            logits = 0.0 if a.logits_diff is None else a.logits_diff / a.logits_bar
+            return max(logits, a.kv_diff / a.kv_bar)
+
+        return cls(len(replays), all(a.agrees for a in replays), max(replays, key=share))
 
 
 @dataclass
@@ -50,6 +73,8 @@ class Summary:
     timings: dict[str, float | None]
     baseline_timings: dict[str, float | None] | None
     deterministic: bool  # greedy or seeded: an untraced run must draw the same tokens
+    paths: dict[str, dict[str, int]]  # phase -> steps per path (models.probe.PATHS)
+    replay: ReplaySummary | None  # None: no step re-run (no attention maps asked for, or none ran fused)
 
     @property
     def prefill_gflops(self) -> float | None:
@@ -130,6 +155,8 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
         same_tokens=baseline.output_ids == run.output_ids if baseline is not None else None,
         timings=run.timings, baseline_timings=baseline.timings if baseline is not None else None,
         deterministic=run.params.is_greedy or run.params.seed is not None,
+        paths={phase: dict(tracer.paths(phase)) for phase in ("prefill", "decode")},
+        replay=ReplaySummary.of(tracer.replays),
     )
 
 

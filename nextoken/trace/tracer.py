@@ -1,25 +1,31 @@
-"""Tracers: what the engine's forward passes and sampler did, observed from outside through hooks.
+"""Tracers: what the engine's forward passes and sampler did, observed on the path each step really takes.
 
 `NullTracer` (the default) attaches nothing and records nothing: an untraced run pays a few no-op calls per step.
-`RecordingTracer` registers PyTorch forward hooks on the model (the model itself, each block, its attention and
-MLP, the rotary modules) and wraps the engine's sampler call; `detach()` removes every hook and restores the sampler.
-Hooks only read tensors and copy what they keep, so a traced run computes exactly what an untraced one does.
-Invariants: one request at a time and one forward pass per step (every pass is taken to be this request's); all
-times are seconds since `start()`, read with perf_counter after a device sync on CUDA.
+`RecordingTracer` sets the model's probe (a PassRecorder, passes.py: the native calls' own counters, the module
+path's boundaries and hooks on its attention and MLP modules) and wraps the engine's sampler call. Where attention
+maps are asked for, a hook on the rotary modules keeps q and k; a step that ran fused is re-run on the module path
+over a private copy of its cache for them (replay.py), and how far the two came apart is recorded. `detach()` removes
+the probe and every hook and restores the sampler. A traced run takes the paths an untraced one takes and computes
+exactly what it computes. Invariants: one request at a time and one forward pass per step (every pass is taken to be
+this request's); all times are seconds since `start()`, read with perf_counter (after a device sync on CUDA) or
+converted from the native calls' CLOCK_MONOTONIC readings.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nextoken.engine.request import Request
 from nextoken.engine.sampler import SampleResult, SamplingRow
+from nextoken.models.probe import MODULES
 from nextoken.trace.attention import DEFAULT_BUDGET, AttentionCapture
+from nextoken.trace.passes import PassRecorder, StepRecord
 from nextoken.trace.probs import SampleRecord, describe_sample
+from nextoken.trace.replay import Agreement, replay_on_modules
 
 if TYPE_CHECKING:
     from nextoken.engine.engine import LLMEngine
@@ -27,25 +33,6 @@ if TYPE_CHECKING:
 # Pipeline order. "schedule": scheduler + batch building; "detokenize": the engine's update after sampling (text
 # delta, stop checks, bookkeeping); "trace": the tracer's own work between steps, which an untraced run never does.
 STAGES = ("tokenize", "schedule", "embedding", "blocks", "lm_head", "sampling", "detokenize", "trace")
-
-
-@dataclass
-class StepRecord:
-    """One engine step. `spans[stage] = (start, end)`; per-layer lists hold seconds, index = layer."""
-
-    index: int
-    first_position: int = 0
-    num_tokens: int = 0
-    phase: str = "prefill"  # "prefill" while the prompt is being computed, then "decode"
-    spans: dict[str, tuple[float, float]] = field(default_factory=dict)
-    attn_s: list[float] = field(default_factory=list)
-    mlp_s: list[float] = field(default_factory=list)
-    block_s: list[float] = field(default_factory=list)
-    sample: SampleRecord | None = None
-
-    def seconds(self, stage: str) -> float:
-        start, end = self.spans.get(stage, (0.0, 0.0))
-        return end - start
 
 
 class NullTracer:
@@ -93,7 +80,8 @@ class _SamplerProbe:
 
 
 class RecordingTracer(NullTracer):
-    """Spans per step, per-layer attention/MLP times, top-K candidates per sampled token, optional attention.
+    """Spans per step, per-layer attention/MLP times, top-K candidates per sampled token, optional attention; the
+    path every step took.
 
     One instance records one run: make a new one for the next.
     """
@@ -106,17 +94,21 @@ class RecordingTracer(NullTracer):
         self.spans: dict[str, tuple[float, float]] = {}  # run-level spans (tokenize)
         self.steps: list[StepRecord] = []
         self.attention: AttentionCapture | None = None
-        self.max_blocks = 0  # KV blocks this request held at most
         self.engine: LLMEngine | None = None
+        self._passes = PassRecorder(0, self.now, self._from_monotonic, keep_logits=False)  # sized in attach
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._origin = 0.0
+        self._monotonic_shift = 0.0  # perf_counter - CLOCK_MONOTONIC (the native calls' clock)
         self._sync = False
         self._request: Request | None = None
         self._step: StepRecord | None = None
-        self._marks: dict[str, float] = {}
-        self._layer_start: list[float] = []
-        self._current_layer = -1
+        self._num_output = 0  # the request's tokens before this step
         self._pending_sample: tuple[torch.Tensor, SamplingRow, list[int], int] | None = None
+
+    @property
+    def max_blocks(self) -> int:
+        """KV blocks this request held at most."""
+        return self._passes.max_blocks
 
     # --- clock -------------------------------------------------------------------------------------------
 
@@ -127,15 +119,23 @@ class RecordingTracer(NullTracer):
 
     def start(self, origin: float) -> None:
         self._origin = origin
+        # Where perf_counter reads another clock than the native calls' (not on Linux), the two are lined up here.
+        if time.get_clock_info("perf_counter").implementation != "clock_gettime(CLOCK_MONOTONIC)":
+            self._monotonic_shift = time.perf_counter() - time.clock_gettime(time.CLOCK_MONOTONIC)
 
     def record(self, stage: str, start: float, end: float) -> None:
         self.spans[stage] = (start - self._origin, end - self._origin)
+
+    def _from_monotonic(self, reading: float) -> float:
+        return reading + self._monotonic_shift - self._origin
 
     # --- attaching ---------------------------------------------------------------------------------------
 
     def attach(self, engine: LLMEngine) -> None:
         if self.engine is not None or self.steps or self.spans:
             raise RuntimeError("a RecordingTracer records one run; make a new one")
+        if engine.runner.model.probe is not None:
+            raise RuntimeError("the model is already watched by another probe")
         self.engine = engine
         try:
             self._attach(engine)
@@ -147,23 +147,14 @@ class RecordingTracer(NullTracer):
         model = engine.runner.model
         self._sync = engine.runner.device.type == "cuda"
         layers = list(model.layers)
-        self._layer_start = [0.0] * len(layers)
-        hook = self._handles.append
-        hook(model.register_forward_pre_hook(self._on_model_start, with_kwargs=True))
-        hook(model.register_forward_hook(self._on_model_end))
-        ropes: dict[int, torch.nn.Module] = {}
-        for i, layer in enumerate(layers):
-            hook(layer.register_forward_pre_hook(self._timer_start(i)))
-            hook(layer.register_forward_hook(self._timer_end(i, "block_s")))
-            hook(layer.attn.register_forward_pre_hook(self._attn_start(i)))
-            hook(layer.attn.register_forward_hook(self._timer_end(i, "attn_s", "attn")))
-            hook(layer.mlp.register_forward_pre_hook(self._mark(f"mlp{i}")))
-            hook(layer.mlp.register_forward_hook(self._timer_end(i, "mlp_s", f"mlp{i}")))
-            rope = getattr(layer.attn, "rope", None)
-            if rope is not None:
-                ropes[id(rope)] = rope  # Llama shares one rotary module across layers: hook it once
-        for rope in ropes.values():
-            hook(rope.register_forward_hook(self._on_rope, with_kwargs=True))
+        self._passes = PassRecorder(len(layers), self.now, self._from_monotonic, keep_logits=self.capture_attention)
+        # No hook on the model or its blocks: the fused paths stand down for those (whoever hooks them expects to
+        # see them run), and the probe sees every path.
+        self._handles += self._passes.hook(layers)
+        ropes = {id(r): r for r in (getattr(layer.attn, "rope", None) for layer in layers) if r is not None}
+        for rope in ropes.values():  # Llama shares one rotary module across layers: hooked once
+            self._handles.append(rope.register_forward_hook(self._on_rope, with_kwargs=True))
+        model.probe = self._passes
         self._inner_sampler = engine.sampler
         engine.sampler = _SamplerProbe(engine.sampler, self)  # type: ignore[assignment]
 
@@ -171,8 +162,12 @@ class RecordingTracer(NullTracer):
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self.engine is not None and isinstance(self.engine.sampler, _SamplerProbe):
-            self.engine.sampler = self._inner_sampler
+        if self.engine is not None:
+            model = self.engine.runner.model
+            if model.probe is self._passes:
+                model.probe = None
+            if isinstance(self.engine.sampler, _SamplerProbe):
+                self.engine.sampler = self._inner_sampler
         self.engine = None
 
     # --- per request and step ----------------------------------------------------------------------------
@@ -191,13 +186,14 @@ class RecordingTracer(NullTracer):
                 budget=self.attention_budget)
 
     def begin_step(self) -> None:
-        n = len(self._layer_start)
+        n = self._passes.num_layers
         self._step = StepRecord(index=len(self.steps), attn_s=[0.0] * n, mlp_s=[0.0] * n, block_s=[0.0] * n)
-        self._marks = {"step": self.now()}
+        self._passes.start_step(self._step, self._request, self.now())
         self._pending_sample = None
+        self._num_output = len(self._request.output_ids) if self._request is not None else 0
 
     def end_step(self) -> None:
-        step, marks = self._step, self._marks
+        step, marks = self._step, self._passes.marks
         if step is None:
             return
         end = self.now()
@@ -207,80 +203,50 @@ class RecordingTracer(NullTracer):
             logits, row, output_ids, token_id = self._pending_sample
             step.sample = describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k)
             self._pending_sample = None
+        elif self._passes.greedy:
+            step.sample = self._argmax_sample()
         if self.attention is not None:
+            if "model" in marks and step.path != MODULES:
+                step.replay = self._replay(step)
             self.attention.flush()
         if "model" in marks:  # a step that ran no forward pass (nothing scheduled) is not worth a record
             self.steps.append(step)
         step.spans["trace"] = (end, self.now())
         self._step = None
+        self._passes.start_step(None, self._request, end)
 
-    # --- hooks -------------------------------------------------------------------------------------------
+    def _argmax_sample(self) -> SampleRecord | None:
+        """The candidates of a step whose native call took the argmax (no sampler ran), from the logits it wrote."""
+        req, logits = self._request, self._passes.logits
+        if req is None or logits is None or len(req.output_ids) != self._num_output + 1:
+            return None
+        return describe_sample(logits[0], req.params, req.prompt_ids, req.output_ids[:-1], req.output_ids[-1],
+                               self.top_k)
 
-    def _on_model_start(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        now = self.now()
-        step = self._step
-        if step is None:
-            return
-        self._marks["model"] = now
-        step.spans["schedule"] = (self._marks["step"], now)
-        positions = args[1] if len(args) > 1 else kwargs["positions"]
-        step.num_tokens = int(positions.numel())
-        step.first_position = int(positions[0]) if step.num_tokens else 0
-        req = self._request
-        if req is not None:
-            step.phase = "prefill" if step.first_position < req.num_prompt_tokens else "decode"
-            self.max_blocks = max(self.max_blocks, len(req.block_table))
+    def _replay(self, step: StepRecord) -> Agreement | None:
+        """Re-run a fused step on the module path (its attention maps come from there) and compare the two."""
+        engine, req, table = self.engine, self._request, self._passes.block_table
+        if engine is None or req is None or table is None:
+            return None
+        runner = engine.runner
+        ids = req.all_ids[step.first_position:step.first_position + step.num_tokens]
+        self._passes.paused = True
+        try:
+            return replay_on_modules(runner.model, runner.kv_pool, table, ids, step.first_position,
+                                     self._passes.logits, runner.activations == "int8")
+        finally:
+            self._passes.paused = False
 
-    def _on_model_end(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        now = self.now()
-        if self._step is None:
-            return
-        self._marks["model_end"] = now
-        self._step.spans["lm_head"] = (self._marks.get("blocks_end", now), now)
-
-    def _timer_start(self, layer: int) -> Any:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            now = self.now()
-            self._layer_start[layer] = now
-            if layer == 0 and self._step is not None:
-                self._marks["blocks"] = now
-                self._step.spans["embedding"] = (self._marks.get("model", now), now)
-        return hook
-
-    def _attn_start(self, layer: int) -> Any:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            self._current_layer = layer  # the rotary hook that follows belongs to this layer
-            self._marks["attn"] = self.now()
-        return hook
-
-    def _mark(self, name: str) -> Any:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            self._marks[name] = self.now()
-        return hook
-
-    def _timer_end(self, layer: int, field_name: str, mark: str | None = None) -> Any:
-        last = len(self._layer_start) - 1
-
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            now = self.now()
-            step = self._step
-            if step is None:
-                return
-            start = self._marks.get(mark, now) if mark is not None else self._layer_start[layer]
-            getattr(step, field_name)[layer] += now - start
-            if field_name == "block_s" and layer == last:
-                self._marks["blocks_end"] = now
-                step.spans["blocks"] = (self._marks.get("blocks", now), now)
-        return hook
+    # --- hooks ---------------------------------------------------------------------------------------------
 
     def _on_rope(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        capture = self.attention
-        if capture is None or self._step is None or not capture.wants(self._current_layer):
+        capture, layer = self.attention, self._passes.current_layer
+        if capture is None or self._step is None or not capture.wants(layer):
             return
         if not (isinstance(output, tuple) and len(output) == 2):
             return  # not the (q, k) this capture understands: show no attention rather than break the run
         positions = args[0] if args else kwargs["positions"]
-        capture.add(self._current_layer, positions, output[0], output[1])
+        capture.add(layer, positions, output[0], output[1])
 
     def on_sample(self, start: float, end: float, logits: torch.Tensor, rows: list[SamplingRow],
                   result: SampleResult) -> None:
@@ -289,7 +255,7 @@ class RecordingTracer(NullTracer):
         if step is None:
             return
         step.spans["sampling"] = (start, end)
-        self._marks["sample_end"] = end
+        self._passes.marks["sample_end"] = end
         req = self._request
         # The engine hands each row its request's own output list: find ours by identity.
         idx = next((i for i, r in enumerate(rows) if req is not None and r.output_ids is req.output_ids), None)
@@ -317,7 +283,7 @@ class RecordingTracer(NullTracer):
 
     def layer_seconds(self, phase: str) -> dict[str, list[float]]:
         """Per-layer seconds summed over one phase's steps: attn, mlp and other (norms, residual adds)."""
-        n = len(self._layer_start)
+        n = self._passes.num_layers
         out = {"attn": [0.0] * n, "mlp": [0.0] * n, "other": [0.0] * n}
         for step in self.steps:
             if step.phase != phase:
@@ -331,3 +297,12 @@ class RecordingTracer(NullTracer):
     @property
     def samples(self) -> list[SampleRecord]:
         return [s.sample for s in self.steps if s.sample is not None]
+
+    def paths(self, phase: str | None = None) -> Counter[str]:
+        """Steps per path (models.probe.PATHS) over all steps, or the steps of one phase."""
+        return Counter(step.path for step in self.steps if phase is None or step.phase == phase)
+
+    @property
+    def replays(self) -> list[Agreement]:
+        """The fused steps' re-runs on the module path (for their attention maps), in step order."""
+        return [s.replay for s in self.steps if s.replay is not None]

@@ -16,10 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 
 from nextoken import LLM, SamplingParams
 from nextoken.trace.command import TraceOptions, trace
 from nextoken.trace.report import make_console
+from tests.conftest import needs_native
+from tests.tiny import write_tiny_model
 from tests.trace.png import read_png
 
 # Markup, a character split into byte-level pieces, and quotes: all must come out as text.
@@ -130,3 +133,27 @@ def test_screenshot_is_not_blank(page: tuple[Path, LLM], tmp_path: Path) -> None
     assert len(np.unique(pixels, axis=0)) > 50
     blue = (pixels[:, 2] > pixels[:, 0] + 60).sum()  # heatmap and matrix cells are shades of rgb(34, 94, 168)
     assert blue > 5000  # the prompt's attention matrix alone is over a hundred 5x5 cells this dark
+
+
+@needs_native
+def test_a_fused_run_says_where_its_maps_came_from(tmp_path: Path) -> None:
+    """Steps that ran fused: the page names each step's path, and its attention section says the maps come from
+    re-runs on the module path that agreed with the fused steps."""
+    model = write_tiny_model(tmp_path / "tiny-llama-q8.gguf", "llama", table=GGMLQuantizationType.Q8_0)
+    out = tmp_path / "trace.html"
+    trace("the cat sat", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+          TraceOptions(model=str(model), device="cpu", weights="int4", html=out), make_console(io.StringIO()))
+    result = run_chromium(out, tmp_path, "--dump-dom")
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = re.sub(r"<[^>]+>", " ", result.stdout)
+    assert "forward passes: prefill: 1 step on" in text and "decode: 2 steps on native step" in text
+    assert "computed on: " in text  # the selected token's step
+    assert re.search(r"were re-run on the module path \(over a private copy of their cache\) to see inside their "
+                     r"layers, and the re-runs agree with the fused steps", text)
+    assert len(_cells(result.stdout)) > 0  # and the maps are there
+
+
+def _cells(dom: str) -> list[str]:
+    parsed = _Dom()
+    parsed.feed(dom)
+    return parsed.cells

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from gguf import GGMLQuantizationType
 
 from nextoken import SamplingParams, cli
 from nextoken.errors import NextokenError
@@ -20,7 +21,8 @@ from nextoken.trace.command import TraceOptions, trace
 from nextoken.trace.report import make_console
 from nextoken.trace.run import parse_setting, run_request
 from nextoken.trace.tracer import RecordingTracer
-from tests.conftest import load_reference
+from tests.conftest import load_reference, needs_native
+from tests.tiny import write_tiny_model
 
 SECTIONS = ("1. Input", "2. Embedding and positions", "3. Blocks", "4. Output", "5. Cost", "Tracing overhead")
 
@@ -56,6 +58,28 @@ def test_report_sections_in_pipeline_order(tiny_gemma: Path) -> None:
     assert steps == ["0", "1", "2", "3", "4"]  # one row per generated token
     assert "KV cache per token: 2 x 6 layers x 1 kv heads x 32 head dim x 4 bytes = 1,536 B" in text
     assert max(len(line) for line in text.splitlines()) <= 120  # piped: a fixed width
+
+
+@needs_native
+def test_report_names_the_path_each_phase_took(tmp_path: Path) -> None:
+    """A model whose steps run fused: the report says which path each phase took (the prompt's blocks in one native
+    call where the CPU has AVX-512, every decode step in one), where the per-layer times came from, and, with the
+    attention maps asked for (--html), that the fused steps were re-run on the modules and agreed."""
+    from nextoken.ops import native
+
+    model = write_tiny_model(tmp_path / "tiny-gemma3-q8.gguf", "gemma3", table=GGMLQuantizationType.Q8_0)
+    text = run_trace(model, "the cat", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+                     weights="int4", html=tmp_path / "trace.html")
+    flat = " ".join(text.split())  # rich wraps long lines
+    prefill = "fused blocks" if native.library().nt_has_vnni512() else "modules"
+    assert f"on the paths an untraced run takes: prefill: 1 step on {prefill}; decode: 4 steps on native step" in flat
+    assert "native step: the whole step in one native call" in flat
+    assert "from the native calls' own counters where steps ran fused" in flat
+    assert "same tokens as the untraced run: yes" in flat
+    fused = 5 if prefill == "fused blocks" else 4
+    assert re.search(rf"the {fused} steps that ran fused were re-run on the module path .* and the re-runs agree "
+                     r"with the fused steps, value by value; closest to its bar: a logit \S+ apart \(its bar \S+\), "
+                     r"a K/V value", flat)
 
 
 def test_compare_has_one_column_per_setting_with_entropies(tiny_llama: Path) -> None:

@@ -1,7 +1,8 @@
 """RecordingTracer on the tiny models: a traced run draws what an untraced one draws, its stage times add up to the
 measured total, its candidates are the model's teacher-forced distribution, and its attention weights reproduce the
 model's own attention output. References are independent: the engine's `score` forward pass, a naive sampler, and
-the values and outputs the attention layers produce (read through hooks of the test's own)."""
+the values and outputs the attention layers produce (read through hooks of the test's own). "q8_*" models run the
+fused paths (tests/trace/test_fast_path.py); their attention comes from each step's re-run on the modules."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from nextoken.errors import PromptTooLong
 from nextoken.trace.attention import select_layers
 from nextoken.trace.run import run_request
 from nextoken.trace.tracer import STAGES, NullTracer, RecordingTracer
+from tests.conftest import needs_native
 
 PROMPT = "the cat sat on the mat"
 
@@ -21,7 +23,8 @@ def hook_count(llm: LLM) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in llm.engine.runner.model.modules())
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", pytest.param("q8_llama", marks=needs_native),
+                                  pytest.param("q8_gemma", marks=needs_native)])
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                                     SamplingParams(temperature=0.9, top_p=0.95, seed=3, max_tokens=12,
                                                    ignore_eos=True)], ids=["greedy", "seeded"])
@@ -38,6 +41,7 @@ def test_traced_run_draws_the_untraced_tokens(arch: str, params: SamplingParams,
     if params.is_greedy:  # and the public API agrees
         assert llm.generate([traced.prompt_ids], params)[0].token_ids == traced.output_ids
     assert hook_count(llm) == 0 and llm.engine.sampler is sampler  # nothing left behind
+    assert llm.engine.runner.model.probe is None
 
 
 def test_null_tracer_attaches_nothing(llama_llm: LLM) -> None:
@@ -64,7 +68,9 @@ def test_tracer_detaches_when_the_request_is_refused(llama_llm: LLM) -> None:
     assert not llama_llm.engine.has_unfinished()
 
 
-def test_stage_times_add_up_to_the_measured_total(llama_llm: LLM) -> None:
+@pytest.mark.parametrize("arch", ["llama", pytest.param("q8_llama", marks=needs_native)])
+def test_stage_times_add_up_to_the_measured_total(arch: str, request: pytest.FixtureRequest) -> None:
+    llama_llm: LLM = request.getfixturevalue(f"{arch}_llm")
     tracer = RecordingTracer()
     run = run_request(llama_llm, PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
                       tracer=tracer)
@@ -84,7 +90,9 @@ def test_stage_times_add_up_to_the_measured_total(llama_llm: LLM) -> None:
     assert all(prefill[s] + decode[s] == pytest.approx(stages[s]) for s in STAGES)
 
 
-def test_layer_times_cover_every_layer_in_both_phases(gemma_llm: LLM) -> None:
+@pytest.mark.parametrize("arch", ["gemma", pytest.param("q8_gemma", marks=needs_native)])
+def test_layer_times_cover_every_layer_in_both_phases(arch: str, request: pytest.FixtureRequest) -> None:
+    gemma_llm: LLM = request.getfixturevalue(f"{arch}_llm")
     tracer = RecordingTracer()
     run_request(gemma_llm, PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), tracer=tracer)
     blocks = tracer.stage_seconds()["blocks"]
@@ -136,7 +144,8 @@ def test_candidates_are_the_model_distribution_before_and_after_filtering(llama_
         assert rec.entropy_final == pytest.approx(float(-(nonzero * nonzero.log2()).sum()), abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma"])
+@pytest.mark.parametrize("arch", ["llama", "gemma", pytest.param("q8_llama", marks=needs_native),
+                                  pytest.param("q8_gemma", marks=needs_native)])
 def test_attention_weights_reproduce_the_model_attention_output(arch: str, request: pytest.FixtureRequest) -> None:
     llm: LLM = request.getfixturevalue(f"{arch}_llm")
     cfg = llm.model_config

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -579,6 +580,49 @@ def test_fused_decode_follows_a_new_pool(tiny_llama: Path) -> None:
     structs = net.fused._cache_structs(second.layers)
     for struct, layer in zip(structs, second.layers):
         assert (struct.k, struct.v) == (layer.k.data_ptr(), layer.v.data_ptr())
+
+
+@torch.inference_mode()
+def test_a_profile_times_the_fused_blocks_and_changes_nothing(tiny_gemma: Path) -> None:
+    """Handed a profile (a tracer's), the fused call times each block's attention, MLP and whole (each above zero,
+    the parts inside the whole) and reads the clock after the last block, inside the call; its logits and cache
+    writes are the same bits as an untimed call's. Untimed, it writes nothing into the profile it was not given."""
+    gguf = read_gguf(tiny_gemma)
+    cfg = ModelConfig.from_gguf(gguf)
+    net = load_model(gguf, cfg, quant="int4", quantize_head=True)
+    assert net.fused is not None
+    pool = KVPool(KVShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32), 4 * len(CONTEXTS), BLOCK,
+                  torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    fused, net.fused = net.fused, None
+    for s, length in enumerate(CONTEXTS):
+        meta = AttentionMetadata(torch.arange(length) + 4 * s * BLOCK, [0, length], [length],
+                                 torch.tensor([[4 * s + b for b in range(4)]]), BLOCK)
+        net(torch.randint(3, cfg.vocab_size, (length,), generator=gen), torch.arange(length), pool.layers, meta)
+    twin = _twin(pool)
+    n = len(CONTEXTS)
+    tokens = torch.randint(3, cfg.vocab_size, (n,), generator=gen)
+    meta = AttentionMetadata(torch.tensor([4 * s * BLOCK + length for s, length in enumerate(CONTEXTS)]),
+                             list(range(n + 1)), [length + 1 for length in CONTEXTS],
+                             torch.tensor([[4 * s + b for b in range(4)] for s in range(n)]), BLOCK)
+    positions = torch.tensor(CONTEXTS)
+    profile = native.profile_buffer(cfg.num_layers)
+    start = time.clock_gettime(time.CLOCK_MONOTONIC)
+    timed = fused(net.embed(tokens), positions, pool.layers, meta, profile)
+    end = time.clock_gettime(time.CLOCK_MONOTONIC)
+    untimed = fused(net.embed(tokens), positions, twin.layers, meta)
+    assert torch.equal(timed, untimed)
+    for mine, other in zip(pool.layers, twin.layers):
+        assert torch.equal(mine.k, other.k) and torch.equal(mine.v, other.v)
+    times = list(profile)
+    assert start < times[native.ProfileSlot.BLOCKS] < end  # the clock Python's time.CLOCK_MONOTONIC reads
+    layers = [times[native.ProfileSlot.LAYERS + i * native.LayerTime.TIMES:][:native.LayerTime.TIMES]
+              for i in range(cfg.num_layers)]
+    for attention, mlp, block in layers:
+        assert 0 < attention and 0 < mlp and attention + mlp < block
+    assert sum(block for _, _, block in layers) < end - start
+    assert all(t == 0 for slot, t in enumerate(times) if slot < native.ProfileSlot.LAYERS
+               and slot != native.ProfileSlot.BLOCKS)  # the step's own readings: nt_decode_step's
 
 
 @pytest.mark.parametrize("build", ["host", "avx2", "portable"])

@@ -63,8 +63,30 @@ class ISA(enum.IntEnum):
     AVX512_VNNI = 2
 
 
+class ProfileSlot(enum.IntEnum):
+    """Slots of a fused call's profile (nt_profile_slot): CLOCK_MONOTONIC readings where each stage of a native step
+    ends, then `LayerTime.TIMES` seconds per layer from LAYERS on."""
+
+    START = 0
+    EMBEDDING = 1
+    BLOCKS = 2
+    HEAD = 3
+    ARGMAX = 4
+    LAYERS = 5
+
+
+class LayerTime(enum.IntEnum):
+    """A layer's values in a profile (nt_layer_time): seconds of attention, of the MLP and of the whole block."""
+
+    ATTENTION = 0
+    MLP = 1
+    BLOCK = 2
+    TIMES = 3
+
+
 # Each Python enum and the prefix of its C names.
-ENUMS = {Format: "NT_", KVKind: "NT_KV_", Activation: "NT_", ISA: "NT_ISA_"}
+ENUMS = {Format: "NT_", KVKind: "NT_KV_", Activation: "NT_", ISA: "NT_ISA_", ProfileSlot: "NT_PROFILE_",
+         LayerTime: "NT_LAYER_"}
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -468,18 +490,23 @@ class Cache(ctypes.Structure):
 
 _SIGNATURES["nt_decode_scratch"] = (_i64, [_ptr, _i64, _i64])
 _SIGNATURES["nt_decode_layers"] = (_i32, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64,
-                                          _ptr, _ptr, _i64, _ptr, _f32, _i32])
+                                          _ptr, _ptr, _i64, _ptr, _f32, _i32, _ptr])
+
+
+def profile_buffer(num_layers: int) -> ctypes.Array:
+    """A zeroed profile for a model of `num_layers` blocks, as the fused calls time into it (nt_profile_slot)."""
+    return (ctypes.c_double * (ProfileSlot.LAYERS + LayerTime.TIMES * num_layers))()
 
 
 class Step(ctypes.Structure):
     """What a whole decode step reads besides its tokens (nt_step): the decoder's structs, buffers kept between
-    steps, the token table's Q8 blocks and the LM head's int8 blocks."""
+    steps, the token table's Q8 blocks and the LM head's int8 blocks, and a profile to time into (null: none)."""
 
     _fields_ = [("layers", _ptr), ("caches", _ptr), ("num_layers", _i64), ("rope_tables", _ptr), ("scratch", _ptr),
                 ("x", _ptr), ("max_rows", _i64), ("gemm_rows", _i64), ("final_norm", _ptr), ("final_eps", _f32),
                 ("embed_scale", _f32), ("embed_codes", _ptr), ("embed_scales", _ptr), ("vocab", _i64),
                 ("head_kind", _i64), ("head_qs", _ptr), ("head_d", _ptr), ("head_rows", _i64),
-                ("head_gemm_rows", _i64), ("head_int8_activations", _i64), ("threads", _i64)]
+                ("head_gemm_rows", _i64), ("head_int8_activations", _i64), ("threads", _i64), ("profile", _ptr)]
 
 
 _SIGNATURES["nt_decode_step"] = (_i32, [_ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr])
@@ -546,13 +573,14 @@ def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sl
                   seq_lens: torch.Tensor, tables: torch.Tensor, layers: ctypes.Array, caches: ctypes.Array,
                   rope_tables: ctypes.Array, scratch: torch.Tensor, gemm_rows: int,
                   final_norm: tuple[torch.Tensor, float] | None = None,
-                  query_start: torch.Tensor | None = None) -> None:
+                  query_start: torch.Tensor | None = None, profile: ctypes.Array | None = None) -> None:
     """Every decoder block over the new tokens x [M, hidden], updated in place (nt_decode_layers): one per sequence,
     or with `query_start` [sequences + 1] (int64) each sequence's chunk of them, attended through the prefill kernel
     where longer than one (AVX-512 only); seq_lens and tables are then per sequence. scratch: fp32 of at least
     `decode_scratch` elements; products of `gemm_rows` rows or more take a GEMM: the fp32 one over a projection's
     panels where its Matrix has them, else the one over its blocks (int16 with AVX-512 VNNI); final_norm: (weight,
-    eps) of an RMSNorm applied to x last."""
+    eps) of an RMSNorm applied to x last; profile: a `profile_buffer` whose per-layer times and BLOCKS reading the
+    call writes (None: nothing is timed)."""
     positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
     if scratch.dtype != torch.float32 or scratch.numel() < decode_scratch(lib, layers, x.shape[0]):
         raise ValueError("decode_layers: scratch is not fp32 or too small")
@@ -565,6 +593,7 @@ def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sl
                                   ctypes.addressof(layers), ctypes.addressof(caches), len(layers),
                                   ctypes.addressof(rope_tables), scratch.data_ptr(), gemm_rows,
                                   None if final_norm is None else final_norm[0].data_ptr(),
-                                  0.0 if final_norm is None else final_norm[1], torch.get_num_threads())
+                                  0.0 if final_norm is None else final_norm[1], torch.get_num_threads(),
+                                  None if profile is None else ctypes.addressof(profile))
     if status:
         raise RuntimeError("decode_layers: out of memory, or a chunk's attention without AVX-512")

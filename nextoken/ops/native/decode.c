@@ -1,6 +1,16 @@
 /* Every decoder block of a step in one call (nt_decode_layers), and the whole step with the token table and the LM
- * head (nt_decode_step). */
+ * head (nt_decode_step), each timing its stages into a profile where the caller hands one (a tracer). */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime and CLOCK_MONOTONIC under -std=c11 */
+#include <time.h>
+
 #include "internal.h"
+
+/* A CLOCK_MONOTONIC reading in seconds, for profiles (Python's time.perf_counter reads the same clock on Linux). */
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 /* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the fp32 one over the
  * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
@@ -52,12 +62,13 @@ int64_t nt_decode_scratch(const nt_layer *layers, int64_t num_layers, int64_t M)
  * several tokens attends through the prefill kernel (chunk_attention: AVX-512 only; elsewhere -1). rope_tables:
  * (cos, sin) pointers, each [positions, rope_dim / 2]; scratch: at least nt_decode_scratch() floats; gemm_rows: from
  * how many rows products take a GEMM (see matmul); final_norm: the model's last RMSNorm, applied to x in place
- * after the last block (null: none). Returns 0, or -1 when a size is unsupported or memory runs out. */
+ * after the last block (null: none); profile: null, or a profile (nt_profile_slot) whose per-layer times and
+ * NT_PROFILE_BLOCKS reading this call writes. Returns 0, or -1 when a size is unsupported or memory runs out. */
 int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_t *slots, const int64_t *seq_lens,
                      const int64_t *tables, int64_t table_stride, const int64_t *query_start, int64_t num_seqs,
                      const nt_layer *layers, const nt_cache *caches, int64_t num_layers,
                      const float *const *rope_tables, float *scratch, int64_t gemm_rows, const float *final_norm,
-                     float final_eps, int threads) {
+                     float final_eps, int threads, double *profile) {
     const int64_t rows = nt_decode_scratch(layers, num_layers, M) / 4;
     float *h = scratch, *big = h + rows, *att = big + rows, *tmp = att + rows;
     int status = 0;
@@ -66,8 +77,12 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
         const nt_cache *c = &caches[l];
         const int64_t H = L->heads, KVH = L->kv_heads, D = L->head_dim, hid = L->hidden;
         const int64_t qkv_n = L->qkv.n;
+        double *times = profile ? profile + NT_PROFILE_LAYERS + l * NT_LAYER_TIMES : NULL;
+        double block_start = 0.0, start = 0.0;
+        if (times) block_start = now();
         /* attention */
         nt_norm_rows(x, NULL, L->attn_in_norm, h, M, hid, L->eps, threads);
+        if (times) start = now();
         status |= matmul(&L->qkv, h, M, big, threads, gemm_rows);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
@@ -90,18 +105,23 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
             status |= decode_attention(att, tmp, M, NULL, seq_lens, tables, NULL, table_stride, c, H, KVH, D, L->scale,
                                        L->window, threads);
         status |= matmul(&L->o, tmp, M, h, threads, gemm_rows);
+        if (times) times[NT_LAYER_ATTENTION] = now() - start;
         if (L->attn_out_norm) nt_norm_rows(h, NULL, L->attn_out_norm, h, M, hid, L->eps, threads);
         /* MLP */
         nt_norm_rows(x, h, L->mlp_in_norm, h, M, hid, L->eps, threads);
+        if (times) start = now();
         status |= matmul(&L->gate_up, h, M, big, threads, gemm_rows);
         const int64_t F = L->ffn;
         nt_gated_rows(L->activation, big, M, F, att, threads);
         status |= matmul(&L->down, att, M, h, threads, gemm_rows);
+        if (times) times[NT_LAYER_MLP] = now() - start;
         if (L->mlp_out_norm) nt_norm_rows(h, NULL, L->mlp_out_norm, h, M, hid, L->eps, threads);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++)
             for (int64_t i = 0; i < hid; i++) x[t * hid + i] += h[t * hid + i];
+        if (times) times[NT_LAYER_BLOCK] = now() - block_start;
     }
+    if (profile) profile[NT_PROFILE_BLOCKS] = now();
     if (final_norm && num_layers > 0 && !status)
         nt_norm_rows(x, NULL, final_norm, x, M, layers[num_layers - 1].hidden, final_eps, threads);
     return status ? -1 : 0;
@@ -109,21 +129,24 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
 
 /* One decode step of M sequences (one new token each) in one call: the token rows from the table, every decoder
  * block with the final norm (nt_decode_layers), and the LM head into logits [M, head_rows] (row stride ldl); with
- * `argmax`, each row's argmax_row there. ints: token ids, positions, cache slots and context lengths [M] each, then
- * the block tables [M, table_stride]. Returns 0; -1 when M exceeds the buffers or a kernel fails; -2 for a token id
- * outside the table. */
+ * `argmax`, each row's argmax_row there; with s->profile, each stage timed into it (nt_profile_slot). ints: token
+ * ids, positions, cache slots and context lengths [M] each, then the block tables [M, table_stride]. Returns 0; -1
+ * when M exceeds the buffers or a kernel fails; -2 for a token id outside the table. */
 int nt_decode_step(const nt_step *s, const int64_t *ints, int64_t M, int64_t table_stride, float *logits,
                    int64_t ldl, int64_t *argmax) {
+    double *profile = s->profile;
+    if (profile) profile[NT_PROFILE_START] = now();
     if (M < 1 || M > s->max_rows || s->num_layers < 1) return -1;
     const int64_t hidden = s->layers[0].hidden;
     const int64_t *ids = ints, *positions = ints + M, *slots = ints + 2 * M, *seq_lens = ints + 3 * M;
     if (nt_embed_q8(s->embed_codes, s->embed_scales, s->vocab, hidden, ids, M, s->x)) return -2;
     if (s->embed_scale != 1.0f)
         for (int64_t i = 0; i < M * hidden; i++) s->x[i] *= s->embed_scale;
+    if (profile) profile[NT_PROFILE_EMBEDDING] = now();
     const int threads = (int)s->threads;
     if (nt_decode_layers(s->x, M, positions, slots, seq_lens, ints + 4 * M, table_stride, NULL, M, s->layers,
                          s->caches, s->num_layers, s->rope_tables, s->scratch, s->gemm_rows, s->final_norm,
-                         s->final_eps, threads))
+                         s->final_eps, threads, profile))
         return -1;
     const int kind = (int)s->head_kind;
     int status;
@@ -134,6 +157,8 @@ int nt_decode_step(const nt_step *s, const int64_t *ints, int64_t M, int64_t tab
         status = nt_block_matmul(kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits,
                                  ldl, threads);
     if (status) return -1;
+    if (profile) profile[NT_PROFILE_HEAD] = now();
     if (argmax) nt_argmax_rows(logits, M, s->head_rows, ldl, argmax, threads);
+    if (profile) profile[NT_PROFILE_ARGMAX] = now();
     return 0;
 }

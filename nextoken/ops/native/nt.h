@@ -41,6 +41,24 @@ typedef enum { NT_SILU = 0, NT_GELU_TANH = 1 } nt_activation;
  * with VNNI on top. */
 typedef enum { NT_ISA_PORTABLE = 0, NT_ISA_AVX2 = 1, NT_ISA_AVX512_VNNI = 2 } nt_isa_level;
 
+/* A fused call's profile, where its caller hands one (null: nothing is timed; one test per layer): doubles indexed
+ * by these slots. The first NT_PROFILE_LAYERS hold CLOCK_MONOTONIC readings in seconds, taken where each stage of
+ * nt_decode_step ends (nt_decode_layers writes NT_PROFILE_BLOCKS, after the last block and before the final norm);
+ * from NT_PROFILE_LAYERS on, NT_LAYER_TIMES values per layer (nt_layer_time). */
+typedef enum {
+    NT_PROFILE_START = 0,     /* the step begins */
+    NT_PROFILE_EMBEDDING = 1, /* the token rows are in the residual stream */
+    NT_PROFILE_BLOCKS = 2,    /* the last block is done */
+    NT_PROFILE_HEAD = 3,      /* the final norm and the LM head are done */
+    NT_PROFILE_ARGMAX = 4,    /* the rows' argmax is done (the same reading as NT_PROFILE_HEAD without one) */
+    NT_PROFILE_LAYERS = 5     /* where the per-layer values begin */
+} nt_profile_slot;
+
+/* A layer's values in a profile, seconds of: attention (the QKV projection through the output projection, as the
+ * modules' SelfAttention), the MLP (the gate and up projection through the down projection, as GatedMLP), and the
+ * whole block (its norms and the residual add included). */
+typedef enum { NT_LAYER_ATTENTION = 0, NT_LAYER_MLP = 1, NT_LAYER_BLOCK = 2, NT_LAYER_TIMES = 3 } nt_layer_time;
+
 /* ------------------------------------------------------------ structs */
 
 /* One layer's paged K/V. */
@@ -104,6 +122,7 @@ typedef struct {
     int64_t head_gemm_rows; /* rows from which the head takes the GEMM over its blocks */
     int64_t head_int8_activations;
     int64_t threads;
+    double *profile; /* null, or a profile of NT_PROFILE_LAYERS + NT_LAYER_TIMES * num_layers doubles */
 } nt_step;
 
 /* One entry of the interface's layout: "sizeof nt_layer", "nt_layer.qkv" (a field's offset) or "NT_Q4" (an enum's
@@ -183,7 +202,7 @@ NT_API int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const
                             const int64_t *query_start, int64_t num_seqs, const nt_layer *layers,
                             const nt_cache *caches, int64_t num_layers, const float *const *rope_tables,
                             float *scratch, int64_t gemm_rows, const float *final_norm, float final_eps,
-                            int threads);
+                            int threads, double *profile);
 NT_API int nt_decode_step(const nt_step *s, const int64_t *ints, int64_t M, int64_t table_stride, float *logits,
                           int64_t ldl, int64_t *argmax);
 
