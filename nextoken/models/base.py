@@ -16,7 +16,7 @@ from torch import nn
 
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.errors import ModelLoadError
-from nextoken.loader.dequant import dequantize
+from nextoken.loader.codec import dequantize, q4_codes, q5_codes, q6_codes, q8_0_codes
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
 from nextoken.models.fused import FusedDecoder
@@ -24,8 +24,7 @@ from nextoken.models.layers import Linear, RMSNorm
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, Int8GroupHead,
-                                       block_only_types, q4_codes, q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes,
-                                       q8_weight, regroup)
+                                       block_only_types, q4_weight, q8_codes, q8_weight, regroup)
 
 
 class CausalLM(nn.Module):

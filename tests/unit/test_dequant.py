@@ -14,8 +14,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from nextoken.errors import ModelLoadError
-from nextoken.loader import dequant
-from nextoken.loader.dequant import SUPPORTED_TYPES, dequantize, dequantize_supported
+from nextoken.loader import codec as dequant
+from nextoken.loader.codec import SUPPORTED_TYPES, dequantize, dequantize_supported
 
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]

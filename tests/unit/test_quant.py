@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from nextoken.loader.dequant import dequantize
+from nextoken.loader.codec import dequantize, q4_codes, q5_codes, q6_codes, q8_0_codes, unpack_nibbles
 from nextoken.ops import native
 from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8,
-                                        Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes,
-                                        q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup,
-                                        unpack_nibbles)
+                                        Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead,
+                                        q4_weight, q8_codes, q8_weight, regroup)
 
 _Q = GGMLQuantizationType
 
