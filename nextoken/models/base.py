@@ -19,7 +19,7 @@ from nextoken.errors import ModelLoadError
 from nextoken.loader.codec import dequantize, q4_codes, q5_codes, q6_codes, q8_0_codes
 from nextoken.loader.gguf import GGUFFile
 from nextoken.models.config import ModelConfig
-from nextoken.models.fused import FusedDecoder
+from nextoken.ops.fused import FusedDecoder
 from nextoken.models.layers import Linear, RMSNorm
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata

@@ -33,7 +33,7 @@ class Gemma3Block(nn.Module):
 
 
     def fused_norms(self) -> dict[str, RMSNorm | None]:
-        """The block's norms by role, for the fused decode path (models/fused.py)."""
+        """The block's norms by role, for the fused decode path (ops/fused.py)."""
         return {"attn_in": self.input_norm, "attn_out": self.post_attn_norm, "mlp_in": self.pre_mlp_norm,
                 "mlp_out": self.post_mlp_norm}
 

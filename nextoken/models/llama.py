@@ -30,7 +30,7 @@ class LlamaBlock(nn.Module):
 
 
     def fused_norms(self) -> dict[str, RMSNorm | None]:
-        """The block's norms by role, for the fused decode path (models/fused.py)."""
+        """The block's norms by role, for the fused decode path (ops/fused.py)."""
         return {"attn_in": self.input_norm, "attn_out": None, "mlp_in": self.post_attn_norm, "mlp_out": None}
 
 

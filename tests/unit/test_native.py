@@ -22,7 +22,7 @@ from nextoken.cache.kv_pool import KV_DTYPES, KVCacheLayer, KVPool, KVShape, deq
 from nextoken.loader.gguf import read_gguf
 from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
-from nextoken.models.fused import FusedDecoder
+from nextoken.ops.fused import FusedDecoder
 from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
