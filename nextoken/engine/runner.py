@@ -16,14 +16,14 @@ from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
 from nextoken.engine.batch import DecodeBatch, ForwardBatch
 from nextoken.engine.graphs import DecodeGraphs
+from nextoken.engine.model_loader import load_model
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import GGUFFile
-from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
-from nextoken.ops.fused import FusedDecoder, NativeStep
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
+from nextoken.ops.fused import FusedDecoder, NativeStep
 from nextoken.ops.hugepages import HugePageMove
 from nextoken.ops.quant_linear import EXACT_BLOCK_TYPES
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
-from nextoken.loader.codec import pack_nibbles, q8_0_codes, unpack_nibbles
+from nextoken.loader.codec import pack_nibbles, unpack_nibbles
 from nextoken.ops import native
 
 GROUP_SIZE = 32
@@ -217,33 +216,6 @@ class BlockLinear(nn.Module):
                                 int8_activations=self.activations == "int8")
             at += p.rows
         return out
-
-
-def regroup(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float weight [rows, cols] -> Q4 (codes, d, m) over blocks of 32 (min/max in 15 steps; d and m rounded to
-    fp16, as Q4 keeps them, before the codes are chosen)."""
-    rows, cols = weight.shape
-    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    lo, hi = groups.amin(-1), groups.amax(-1)  # [rows, groups]
-    d = ((hi - lo) / 15).clamp(min=1e-7).half().float()
-    lo = lo.half().float()
-    codes = torch.round((groups - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
-    return codes.reshape(rows, cols), d, lo
-
-
-def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]): read from Q8_0 blocks when the tensor is stored
-    so, else quantized from `weight` (absmax / 127 per block). Scales are rounded to fp16 (as the kernels keep
-    them) before the codes are chosen."""
-    rows, cols = weight.shape
-    if qtype == _Q.Q8_0 and raw is not None:
-        return q8_0_codes(raw, (rows, cols))
-    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    # Round the scale up past fp16's half step, so the largest value still fits in 127.
-    scales = (groups.abs().amax(-1) / 127 * (1 + 2**-10)).to(torch.float16).float()
-    codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
-    return codes.to(torch.int8).reshape(rows, cols), scales
 
 
 class BlockEmbedding(nn.Module):

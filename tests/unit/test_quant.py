@@ -15,7 +15,8 @@ from nextoken.loader.codec import dequantize, q4_codes, q5_codes, q6_codes, q8_0
 from nextoken.ops import native
 from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8,
                                         Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead,
-                                        q4_weight, q8_codes, q8_weight, regroup)
+                                        q4_weight, q8_weight)
+from nextoken.ops.quantize import q8_codes, regroup
 
 _Q = GGMLQuantizationType
 
