@@ -236,8 +236,10 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
     *,
     name: str = "tensor",
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Decode the bytes of one GGUF tensor of numpy-order `shape` (last dim contiguous) into `dtype`.
+    """Decode the bytes of one GGUF tensor of numpy-order `shape` (last dim contiguous) into `dtype`, in `out` where
+    given (contiguous, of that shape and dtype: rows of a larger tensor, say).
 
     Raises ModelLoadError (naming `name`) as `check` does.
     """
@@ -246,7 +248,10 @@ def dequantize(
         raise ValueError(f"dequantize needs a floating-point dtype, got {dtype}")
     qtype, shape = check(raw, qtype, shape, name)
     data = _bytes(raw, qtype)
-    out = torch.empty(shape, dtype=dtype)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
+    elif out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"dequantize into {tuple(out.shape)} {out.dtype}: needs a contiguous {shape} {dtype}")
     if qtype in _FLOATS:
         out.copy_(data.view(_FLOATS[qtype]).view(shape))
         return out

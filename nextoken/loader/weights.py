@@ -39,10 +39,13 @@ class FileTensor:
     shape: tuple[int, ...]
     row_order: torch.Tensor | None = None
 
-    def floats(self) -> torch.Tensor:
-        """fp32 values, bit-exact to ggml's dequantization, rows in the model's order."""
-        values = dequantize(self.raw, self.qtype, self.shape, name=self.name)
-        return values if self.row_order is None else values[self.row_order]
+    def floats(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The values (bit-exact to ggml's dequantization, rounded to `dtype`), rows in the model's order; in `out`
+        where given."""
+        if self.row_order is None:
+            return dequantize(self.raw, self.qtype, self.shape, dtype, name=self.name, out=out)
+        values = dequantize(self.raw, self.qtype, self.shape, dtype, name=self.name)
+        return values[self.row_order] if out is None else torch.index_select(values, 0, self.row_order, out=out)
 
     def codes(self) -> tuple[torch.Tensor, ...]:
         """A 2-D tensor's blocks as the codes and factors that give its values exactly (loader/codec.py), rows in the
@@ -72,10 +75,17 @@ class FileBacked(nn.Module):
         self.module = module
         self.tensors = tensors
 
-    def floats(self, param: str = "weight") -> torch.Tensor:
-        """Parameter `param` in fp32: its file tensors decoded and stacked."""
-        parts = [t.floats() for t in self.tensors[param]]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    def floats(self, param: str = "weight", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Parameter `param` in `dtype`: its file tensors decoded, each straight into its rows."""
+        tensors = self.tensors[param]
+        if len(tensors) == 1:
+            return tensors[0].floats(dtype)
+        stacked = torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=dtype)
+        at = 0
+        for t in tensors:
+            t.floats(dtype, out=stacked[at:at + t.shape[0]])
+            at += t.shape[0]
+        return stacked
 
     @property
     def weight(self) -> torch.Tensor:

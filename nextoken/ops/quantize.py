@@ -79,8 +79,7 @@ def quantize_model(model: CausalLM, formats: WeightFormats) -> None:
 def _dense(module: FileBacked, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """The module the architecture built, its parameters decoded to `dtype` on `device`."""
     for param in module.tensors:
-        setattr(module.module, param, nn.Parameter(module.floats(param).to(device=device, dtype=dtype),
-                                                   requires_grad=False))
+        setattr(module.module, param, nn.Parameter(module.floats(param, dtype).to(device), requires_grad=False))
     return module.module
 
 
@@ -90,15 +89,16 @@ def _projection(module: FileBacked, formats: WeightFormats, exact_types: tuple[G
     blocks are exactly its weight."""
     files = module.tensors["weight"]
     shape = (module.module.out_features, module.module.in_features)
-    if formats.quant is not None and all(t.qtype in exact_types for t in files):
-        return BlockLinear([_blocks(t, formats.quant, None) for t in files], None, shape)
-    floats = [t.floats() for t in files]
-    dense = (floats[0] if len(floats) == 1 else torch.cat(floats, dim=0)).to(device=formats.device,
-                                                                            dtype=formats.dtype)
     if formats.quant is None:
-        module.module.weight = nn.Parameter(dense, requires_grad=False)
-        return module.module
-    return BlockLinear([_blocks(t, formats.quant, w) for t, w in zip(files, floats)], dense, shape)
+        return _dense(module, formats.dtype, formats.device)
+    if all(t.qtype in exact_types for t in files):
+        return BlockLinear([_blocks(t, formats.quant, None) for t in files], None, shape)
+    weight = module.floats()  # fp32: what blocks that do not hold it exactly are requantized from
+    parts, at = [], 0
+    for t in files:
+        parts.append(_blocks(t, formats.quant, weight[at:at + t.shape[0]]))
+        at += t.shape[0]
+    return BlockLinear(parts, weight.to(device=formats.device, dtype=formats.dtype), shape)
 
 
 def _blocks(tensor: FileTensor, quant: str, weight: torch.Tensor | None) -> BlockWeight:
