@@ -1,6 +1,6 @@
 """GGUF's block formats, in one place: each ggml type's blocks unpacked to integer codes and per-group factors, from
-which come both the floats (`dequantize`) and the codes the block kernels hold as they are (`q4_codes`, `q5_codes`,
-`q6_codes`, `q8_0_codes`; GGML's nibble order: `pack_nibbles`, `unpack_nibbles`).
+which come both the floats (`dequantize`) and the codes the block kernels hold as they are (`q4_codes` / `q4_nibbles`,
+`q5_codes`, `q6_codes`, `q8_0_codes`; GGML's nibble order: `pack_nibbles`, `unpack_nibbles`).
 
 Invariants: floats are bit-exact to ggml's reference dequantization (same float32 order of operations: the code
 times its scale, then the offset added), and codes with their factors give exactly those floats; the input bytes are
@@ -300,6 +300,27 @@ def q4_codes(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shape:
         codes, m = codes.add_(8), -8 * d  # codes: a fresh tensor
     assert m is not None
     return codes.view(torch.uint8), d, m
+
+
+def q4_nibbles(raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType, shape: tuple[int, int]
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """As `q4_codes`, the codes two a byte in GGML's nibble order (`pack_nibbles`): [rows, cols / 2] uint8. Q4_0's and
+    Q4_1's blocks hold them so already, and their bytes are copied as they are; Q4_K's runs (a sub-block's codes in
+    the low or the high nibbles of 32 bytes) are regrouped."""
+    if qtype == _Q.Q4_K:
+        unpacked = q4_codes(raw, qtype, shape)
+        assert unpacked is not None
+        codes, d, m = unpacked
+        return pack_nibbles(codes), d, m
+    if qtype not in (_Q.Q4_0, _Q.Q4_1):
+        return None
+    qtype, (rows, cols) = check(raw, qtype, shape)
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    blocks = _bytes(raw, qtype).view(-1, type_size)
+    qs = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    qs.view(-1, GROUP // 2).copy_(blocks[:, type_size - GROUP // 2:])  # after the fp16 d (and m)
+    d = _f16(blocks, 0).view(rows, cols // GROUP)
+    return qs, d, -8 * d if qtype == _Q.Q4_0 else _f16(blocks, 2).view(rows, cols // GROUP)
 
 
 def _unpacked_in_c(kind: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]

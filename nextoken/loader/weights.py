@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from nextoken.errors import ModelLoadError
-from nextoken.loader.codec import check, dequantize, q4_codes, q5_codes, q6_codes, q8_0_codes
+from nextoken.loader.codec import check, dequantize, q4_nibbles, q5_codes, q6_codes, q8_0_codes
 from nextoken.loader.gguf import GGUFFile
 
 if TYPE_CHECKING:
@@ -49,9 +49,10 @@ class FileTensor:
 
     def codes(self) -> tuple[torch.Tensor, ...]:
         """A 2-D tensor's blocks as the codes and factors that give its values exactly (loader/codec.py), rows in the
-        model's order: Q4_0, Q4_1, Q4_K -> (codes 0..15, d, m), w = d * q + m; Q5_0, Q6_K, Q8_0 -> (int8 codes, d)."""
+        model's order: Q4_0, Q4_1, Q4_K -> (codes 0..15 two a byte in GGML's nibble order [rows, cols / 2], d, m),
+        w = d * q + m; Q5_0, Q6_K, Q8_0 -> (int8 codes [rows, cols], d)."""
         rows, cols = self.shape
-        q4 = q4_codes(self.raw, self.qtype, (rows, cols))  # None unless Q4_0, Q4_1 or Q4_K
+        q4 = q4_nibbles(self.raw, self.qtype, (rows, cols))  # None unless Q4_0, Q4_1 or Q4_K
         if q4 is not None:
             codes: tuple[torch.Tensor, ...] = q4
         elif self.qtype in _INT8_CODES:

@@ -85,12 +85,18 @@ class BlockWeight:
 
 
 def q4_weight(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
-    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m): scales in fp16 where fp16 holds
-    them exactly (Q4_0, Q4_1, regrouped weights), else in fp32 (Q4_K's)."""
+    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m): see `q4_packed`."""
+    return q4_packed(pack_nibbles(codes), d, m)
+
+
+def q4_packed(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
+    """From codes two a byte in GGML's nibble order, [rows, cols / 2] contiguous (loader/codec.py pack_nibbles), and
+    d, m [rows, cols / 32] (w = d * q + m): scales in fp16 where fp16 holds them exactly (Q4_0, Q4_1, regrouped
+    weights), else in fp32 (Q4_K's)."""
     d16, m16 = d.to(torch.float16), m.to(torch.float16)
     if torch.equal(d16.float(), d.float()) and torch.equal(m16.float(), m.float()):
-        return BlockWeight(Q4, pack_nibbles(codes), d16.contiguous(), m16.contiguous())
-    return BlockWeight(Q4_F32, pack_nibbles(codes), d.float().contiguous(), m.float().contiguous())
+        return BlockWeight(Q4, qs, d16.contiguous(), m16.contiguous())
+    return BlockWeight(Q4_F32, qs, d.float().contiguous(), m.float().contiguous())
 
 
 def q8_weight(codes: torch.Tensor, d: torch.Tensor) -> BlockWeight:

@@ -27,7 +27,7 @@ from nextoken.loader.codec import q8_0_codes
 from nextoken.loader.weights import FileBacked, FileTensor
 from nextoken.ops.fused import FusedDecoder
 from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, BlockWeight,
-                                       Int8GroupHead, block_only_types, q4_weight, q8_weight)
+                                       Int8GroupHead, block_only_types, q4_packed, q4_weight, q8_weight)
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
@@ -105,7 +105,7 @@ def _blocks(tensor: FileTensor, quant: str, weight: torch.Tensor | None) -> Bloc
     """One file tensor's rows as `quant` blocks: its own blocks where they hold it exactly, else requantized from its
     fp32 `weight` (rows in the model's order; None only where the blocks are exact)."""
     if quant == "int4" and tensor.qtype in Q4_TYPES:
-        return q4_weight(*tensor.codes())
+        return q4_packed(*tensor.codes())
     if quant == "int4" and tensor.qtype in FLOAT_TYPES:
         assert weight is not None
         return q4_weight(*regroup(weight))
