@@ -1,4 +1,5 @@
-"""Block-quantized projections for decode, swapped in after loading (model files stay float-only).
+"""Block-quantized modules for decode: projections, the LM head, the token table. The quantization pass swaps them in
+after loading (ops/quantize.py); the file's blocks reach them through the codec (loader/codec.py).
 
 Decode multiplies one row per sequence by every weight: it is bound by the bytes it reads. `BlockLinear` holds a
 projection in GGML-style blocks along its input (see `BlockWeight`): 4-bit codes with a scale and offset per 32
