@@ -81,7 +81,7 @@ class FileBacked(nn.Module):
         tensors = self.tensors[param]
         if len(tensors) == 1:
             return tensors[0].floats(dtype)
-        stacked = torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=dtype)
+        stacked = torch.empty(sum(t.shape[0] for t in tensors), *tensors[0].shape[1:], dtype=dtype)  # [rows, cols]
         at = 0
         for t in tensors:
             t.floats(dtype, out=stacked[at:at + t.shape[0]])
