@@ -19,9 +19,9 @@ import time
 import torch
 
 from benchmarks.common import ANCHORS, median_time, save, versus
+from nextoken.engine.model_loader import load_model
 from nextoken.loader.gguf import read_gguf
 from nextoken.loader.registry import resolve_model
-from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.tokenizer.tokenizer import Tokenizer
 

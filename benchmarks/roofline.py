@@ -31,7 +31,7 @@ import torch
 from benchmarks.common import save
 from benchmarks.latency import llama_bench
 from nextoken import LLM, SamplingParams
-from nextoken.models.fused import NativeStep
+from nextoken.ops.fused import NativeStep
 from nextoken.ops import native
 from nextoken.ops.quant_linear import BlockLinear
 

@@ -73,7 +73,10 @@ class KVCacheLayer:
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[..., head_dim] float -> (int8 codes, fp16 scales [..., groups]) with round-to-nearest, scale absmax/127."""
+    """[..., head_dim] float -> (int8 codes, fp16 scales [..., groups]) with round-to-nearest, scale absmax/127.
+
+    The int8 cache's one definition: the native kernels' own stores (nt_store_rows, which ops/attention.py and the fused
+    step take on the CPU) are held to it bit for bit (tests/unit/test_native.py, the KV store test)."""
     head_dim = x.shape[-1]
     groups = -(-head_dim // KV_GROUP)
     xf = x.float()

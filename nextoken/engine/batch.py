@@ -92,7 +92,7 @@ def first_blocks(tables: list[list[int]]) -> list[int | None]:
 
 @dataclass
 class DecodeBatch:
-    """A step of one new token per sequence, each drawing the next, for the native decode step (models/fused.py,
+    """A step of one new token per sequence, each drawing the next, for the native decode step (ops/fused.py,
     NativeStep): its inputs as one flat list of ints, laid out as the kernel reads them (token ids, positions, cache
     slots and context lengths [rows] each, then the block tables [rows, table_stride], padded with 0). The engine
     reads the same `sample_rows` and `prompt_logprob_rows` as a ForwardBatch's; its tensors (`input_ids`...) are

@@ -16,15 +16,15 @@ from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.config import EngineConfig, available_memory_bytes
 from nextoken.engine.batch import DecodeBatch, ForwardBatch
 from nextoken.engine.graphs import DecodeGraphs
+from nextoken.engine.model_loader import load_model
 from nextoken.engine.sampler import Sampler
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import GGUFFile
-from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
-from nextoken.models.fused import FusedDecoder, NativeStep
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
+from nextoken.ops.fused import FusedDecoder, NativeStep
 from nextoken.ops.hugepages import HugePageMove
 from nextoken.ops.quant_linear import EXACT_BLOCK_TYPES
 
@@ -118,7 +118,7 @@ class ModelRunner:
         self.huge_pages = HugePageMove(self.model) if self.device.type == "cpu" and self.model.fused else None
         self._logits: torch.Tensor | None = None  # execute()'s logits buffer
         self._logits_views: dict[int, torch.Tensor] = {}  # its leading rows, by count (_logits_rows)
-        # Pure decode steps in one native call where the model allows (models/fused.py), rebuilt with the decoder.
+        # Pure decode steps in one native call where the model allows (ops/fused.py), rebuilt with the decoder.
         self._step: tuple[FusedDecoder | None, NativeStep | None] = (None, None)
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
         self.kv_dtype = resolve_kv_dtype(config, self.device)

@@ -33,7 +33,7 @@ class Gemma3Block(nn.Module):
 
 
     def fused_norms(self) -> dict[str, RMSNorm | None]:
-        """The block's norms by role, for the fused decode path (models/fused.py)."""
+        """The block's norms by role, for the fused decode path (ops/fused.py)."""
         return {"attn_in": self.input_norm, "attn_out": self.post_attn_norm, "mlp_in": self.pre_mlp_norm,
                 "mlp_out": self.post_mlp_norm}
 
@@ -68,15 +68,14 @@ class Gemma3ForCausalLM(CausalLM):
             "post_mlp_norm.weight": ("post_ffw_norm.weight",),
         }
 
-    def transform_tensor(self, gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def row_order(self, gguf_name: str, num_rows: int) -> torch.Tensor | None:
         if not self.interleave:
-            return tensor
+            return None
         cfg = self.config
         if gguf_name.endswith("attn_q.weight"):
-            return rotary_rows(tensor, cfg.num_heads, to="interleaved")
+            return rotary_rows(torch.arange(num_rows), cfg.num_heads, to="interleaved")
         if gguf_name.endswith("attn_k.weight"):
-            return rotary_rows(tensor, cfg.num_kv_heads, to="interleaved")
+            return rotary_rows(torch.arange(num_rows), cfg.num_kv_heads, to="interleaved")
         if gguf_name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):  # per head dimension: same order
-            return rotary_rows(tensor, 1, to="interleaved")
-        return tensor
-
+            return rotary_rows(torch.arange(num_rows), 1, to="interleaved")
+        return None

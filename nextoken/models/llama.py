@@ -30,7 +30,7 @@ class LlamaBlock(nn.Module):
 
 
     def fused_norms(self) -> dict[str, RMSNorm | None]:
-        """The block's norms by role, for the fused decode path (models/fused.py)."""
+        """The block's norms by role, for the fused decode path (ops/fused.py)."""
         return {"attn_in": self.input_norm, "attn_out": None, "mlp_in": self.post_attn_norm, "mlp_out": None}
 
 
@@ -52,16 +52,15 @@ class LlamaForCausalLM(CausalLM):
             "mlp.down_proj.weight": ("ffn_down.weight",),
         }
 
-    def transform_tensor(self, gguf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def row_order(self, gguf_name: str, num_rows: int) -> torch.Tensor | None:
         # llama.cpp's converter permutes the rows of Q and K so that its interleaved RoPE (pairs 2i, 2i+1) equals
         # the original half-split RoPE. Our interleaved rotary takes them as they are; partial rotary runs in the
         # half-split ("neox") layout, so there the permutation is undone.
         cfg = self.config
         if self.rope_layout == "interleaved":
-            return tensor
+            return None
         if gguf_name.endswith("attn_q.weight"):
-            return rotary_rows(tensor, cfg.num_heads, to="neox")
+            return rotary_rows(torch.arange(num_rows), cfg.num_heads, to="neox")
         if gguf_name.endswith("attn_k.weight"):
-            return rotary_rows(tensor, cfg.num_kv_heads, to="neox")
-        return tensor
-
+            return rotary_rows(torch.arange(num_rows), cfg.num_kv_heads, to="neox")
+        return None

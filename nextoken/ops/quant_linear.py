@@ -1,4 +1,5 @@
-"""Block-quantized projections for decode, swapped in after loading (model files stay float-only).
+"""Block-quantized modules for decode: projections, the LM head, the token table. The quantization pass swaps them in
+after loading (ops/quantize.py); the file's blocks reach them through the codec (loader/codec.py).
 
 Decode multiplies one row per sequence by every weight: it is bound by the bytes it reads. `BlockLinear` holds a
 projection in GGML-style blocks along its input (see `BlockWeight`): 4-bit codes with a scale and offset per 32
@@ -20,12 +21,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from nextoken.loader.codec import pack_nibbles, unpack_nibbles
 from nextoken.ops import native
 
 GROUP_SIZE = 32
@@ -85,12 +86,18 @@ class BlockWeight:
 
 
 def q4_weight(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
-    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m): scales in fp16 where fp16 holds
-    them exactly (Q4_0, Q4_1, regrouped weights), else in fp32 (Q4_K's)."""
+    """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m): see `q4_packed`."""
+    return q4_packed(pack_nibbles(codes), d, m)
+
+
+def q4_packed(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
+    """From codes two a byte in GGML's nibble order, [rows, cols / 2] contiguous (loader/codec.py pack_nibbles), and
+    d, m [rows, cols / 32] (w = d * q + m): scales in fp16 where fp16 holds them exactly (Q4_0, Q4_1, regrouped
+    weights), else in fp32 (Q4_K's)."""
     d16, m16 = d.to(torch.float16), m.to(torch.float16)
     if torch.equal(d16.float(), d.float()) and torch.equal(m16.float(), m.float()):
-        return BlockWeight(Q4, pack_nibbles(codes), d16.contiguous(), m16.contiguous())
-    return BlockWeight(Q4_F32, pack_nibbles(codes), d.float().contiguous(), m.float().contiguous())
+        return BlockWeight(Q4, qs, d16.contiguous(), m16.contiguous())
+    return BlockWeight(Q4_F32, qs, d.float().contiguous(), m.float().contiguous())
 
 
 def q8_weight(codes: torch.Tensor, d: torch.Tensor) -> BlockWeight:
@@ -216,156 +223,6 @@ class BlockLinear(nn.Module):
                                 int8_activations=self.activations == "int8")
             at += p.rows
         return out
-
-
-def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
-    rows = qs.shape[0]
-    blocks = qs.reshape(rows, -1, GROUP_SIZE // 2)
-    return torch.stack((blocks & 0x0F, blocks >> 4), dim=2).reshape(rows, -1)
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[rows, cols] codes 0..15 -> [rows, cols / 2] uint8, GGML's order: byte j of a block holds element j in its
-    low nibble and element j + 16 in its high one."""
-    rows, cols = codes.shape
-    blocks = codes.to(torch.uint8).reshape(rows, cols // GROUP_SIZE, 2, GROUP_SIZE // 2)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
-
-
-def q4_codes(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(codes [rows, cols] 0..15, d, m [rows, cols / 32] fp32) with w = d * q + m, read straight from Q4_0, Q4_1 or
-    Q4_K blocks; None for other types.
-
-    Q4_0 block (18 bytes): fp16 d, 16 bytes of nibbles; w = d * (q - 8), so m = -8 d.
-    Q4_1 block (20 bytes): fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m.
-    In both, element j of a block is the low nibble of byte j, element j + 16 the high nibble.
-    Q4_K super-block of 256 (144 bytes): fp16 d and dmin, 12 bytes of 6-bit scales sc and mins mn for its 8
-    sub-blocks of 32, then 4 runs of 32 bytes: run r holds sub-block 2r in its low nibbles and 2r + 1 in its high
-    ones. Sub-block s: w = (d * sc_s) * q - dmin * mn_s.
-    """
-    rows, cols = shape
-    if qtype in (_Q.Q4_0, _Q.Q4_1):
-        head = 2 if qtype == _Q.Q4_0 else 4
-        blocks = np.asarray(raw).reshape(rows, cols // GROUP_SIZE, head + 16)  # [rows, groups, bytes]
-        d = _half(blocks[..., 0:2])
-        nibbles = blocks[..., head:]
-        codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1).reshape(rows, cols)
-        m = -8 * d if qtype == _Q.Q4_0 else _half(blocks[..., 2:4])
-    elif qtype == _Q.Q4_K:
-        blocks = np.asarray(raw).reshape(rows, cols // 256, 144)
-        d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
-        sc, mn = _k_scales(blocks[..., 4:16])  # [rows, supers, 8]
-        runs = blocks[..., 16:].reshape(rows, cols // 256, 4, 32)
-        codes = np.stack((runs & 0x0F, runs >> 4), axis=3).reshape(rows, cols)
-        d = (d[..., None] * sc).reshape(rows, cols // GROUP_SIZE)
-        m = -(dmin[..., None] * mn).reshape(rows, cols // GROUP_SIZE)
-    else:
-        return None
-    return torch.from_numpy(codes.astype(np.uint8)), torch.from_numpy(d), torch.from_numpy(m)
-
-
-def _half(field: np.ndarray) -> np.ndarray:
-    """[..., 2] bytes of a little-endian fp16 -> [...] fp32."""
-    return np.ascontiguousarray(field).view(np.float16)[..., 0].astype(np.float32)
-
-
-def _k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes -> (scales, mins) [..., 8] fp32: bytes 0-3 hold the low 6 bits of scales 0-3 (top 2 bits:
-    the high bits of scales 4-7), bytes 4-7 the same for mins, bytes 8-11 the low nibbles of scales 4-7 and mins 4-7
-    (high nibble)."""
-    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate((a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)), axis=-1)
-    mn = np.concatenate((b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)), axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def regroup(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float weight [rows, cols] -> Q4 (codes, d, m) over blocks of 32 (min/max in 15 steps; d and m rounded to
-    fp16, as Q4 keeps them, before the codes are chosen)."""
-    rows, cols = weight.shape
-    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    lo, hi = groups.amin(-1), groups.amax(-1)  # [rows, groups]
-    d = ((hi - lo) / 15).clamp(min=1e-7).half().float()
-    lo = lo.half().float()
-    codes = torch.round((groups - lo[..., None]) / d[..., None]).clamp(0, 15).to(torch.uint8)
-    return codes.reshape(rows, cols), d, lo
-
-
-def q8_codes(raw: np.ndarray | None, qtype: GGMLQuantizationType | None, weight: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]): read from Q8_0 blocks when the tensor is stored
-    so, else quantized from `weight` (absmax / 127 per block). Scales are rounded to fp16 (as the kernels keep
-    them) before the codes are chosen."""
-    rows, cols = weight.shape
-    if qtype == _Q.Q8_0 and raw is not None:
-        return q8_0_codes(raw, (rows, cols))
-    groups = weight.float().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
-    # Round the scale up past fp16's half step, so the largest value still fits in 127.
-    scales = (groups.abs().amax(-1) / 127 * (1 + 2**-10)).to(torch.float16).float()
-    codes = torch.where(scales[..., None] > 0, groups / scales[..., None], 0.0).round().clamp(-127, 127)
-    return codes.to(torch.int8).reshape(rows, cols), scales
-
-
-def _unpacked_in_c(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]) of Q8_0 or Q5_0 blocks in one pass of the native
-    kernels, the GIL released (native.unpack_blocks); None without them (the callers' numpy takes several)."""
-    lib = native.library()
-    if lib is None:
-        return None
-    rows, cols = shape
-    codes, d16 = native.unpack_blocks(lib, kind, np.ascontiguousarray(raw).reshape(-1))
-    return codes.view(rows, cols), d16.float().view(rows, cols // GROUP_SIZE)
-
-
-def q8_0_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols], fp32 scales [rows, cols / 32]) of Q8_0 blocks (fp16 d, 32 int8 codes; w = d * q)."""
-    rows, cols = shape
-    unpacked = _unpacked_in_c("q8_0", raw, shape)  # a 262k-token table: 168 MB
-    if unpacked is not None:
-        return unpacked
-    blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 2 + GROUP_SIZE)  # 2-D: numpy copies 3-D slices of
-    d = _half(blocks[:, 0:2]).reshape(rows, cols // GROUP_SIZE)                   # these far more slowly
-    codes = blocks[:, 2:].copy().view(np.int8).reshape(rows, cols)
-    return torch.from_numpy(codes), torch.from_numpy(d)
-
-
-def q5_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols] in -16..15, fp32 scales [rows, cols / 32]) of Q5_0 blocks, exactly: w = d * q.
-
-    Q5_0 block (22 bytes): fp16 d, 4 bytes holding bit 4 of each of the 32 codes (bit j for element j), 16 bytes of
-    nibbles (element j the low nibble of byte j, element j + 16 the high one); w = d * (code - 16).
-    """
-    rows, cols = shape
-    unpacked = _unpacked_in_c("q5_0", raw, shape)
-    if unpacked is not None:
-        return unpacked
-    blocks = np.asarray(raw).reshape(rows * cols // GROUP_SIZE, 22)
-    d = _half(blocks[:, 0:2])
-    high = np.unpackbits(blocks[:, 2:6], axis=1, bitorder="little")  # [blocks, 32]: bit j of the 32-bit mask
-    nibbles = blocks[:, 6:]
-    low = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=1)
-    codes = (low | (high << 4)).astype(np.int8) - 16
-    return torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(d.reshape(rows, cols // GROUP_SIZE))
-
-
-def q6_codes(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 codes [rows, cols] in -32..31, fp32 scales [rows, cols / 16]) of Q6_K blocks, exactly: w = d * q.
-
-    Q6_K super-block of 256 (210 bytes): 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales
-    (one per 16 values), fp16 d. In each half of 128 values, low nibbles of bytes 0-31 are values 0-31, of bytes
-    32-63 values 32-63, their high nibbles values 64-95 and 96-127; the 2-bit pairs of byte j at shifts 0, 2, 4, 6
-    are the high bits of values j, j + 32, j + 64, j + 96. A sub-block's scale d * sc is exact in fp32.
-    """
-    rows, cols = shape
-    blocks = np.asarray(raw).reshape(rows * cols // 256, 210)
-    ql, qh, sc = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208].view(np.int8)
-    d = _half(blocks[:, 208:210])
-    low = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
-    high = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    codes = (low.reshape(-1, 256) | (high.reshape(-1, 256) << 4)).astype(np.int8) - 32
-    scales = d[:, None] * sc.astype(np.float32)  # [blocks, 16]
-    return (torch.from_numpy(codes.reshape(rows, cols)), torch.from_numpy(scales.reshape(rows, cols // 16)))
 
 
 class BlockEmbedding(nn.Module):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from nextoken.cache.kv_pool import KVPool, KVShape
+from nextoken.engine.model_loader import load_model
 from nextoken.loader.gguf import read_gguf
 from nextoken.loader.registry import resolve_model
-from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.quant_linear import Q4, Q4_F32, Q8, Q8_HALVES

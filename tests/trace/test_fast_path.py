@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nextoken import LLM, SamplingParams
-from nextoken.models.fused import FusedDecoder, NativeStep
+from nextoken.ops.fused import FusedDecoder, NativeStep
 from nextoken.models.probe import FUSED_BLOCKS, MODULES, NATIVE_STEP
 from nextoken.ops import native
 from nextoken.trace import tracer as tracer_module

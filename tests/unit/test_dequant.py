@@ -14,8 +14,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from nextoken.errors import ModelLoadError
-from nextoken.loader import dequant
-from nextoken.loader.dequant import SUPPORTED_TYPES, dequantize, dequantize_supported
+from nextoken.loader import codec as dequant
+from nextoken.loader.codec import SUPPORTED_TYPES, dequantize, dequantize_supported
 
 FLOAT_TYPES = [Q.F32, Q.F16, Q.BF16]
 BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -188,3 +188,16 @@ def test_row_not_a_multiple_of_the_block_size() -> None:
         dequantize(np.zeros(144, np.uint8), Q.Q4_K, (1, 100))
     with pytest.raises(ModelLoadError, match="row length 48 .* Q4_0 block size 32"):
         dequantize(np.zeros(36, np.uint8), Q.Q4_0, (2, 48))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decodes_into_the_rows_of_a_given_tensor(dtype: torch.dtype) -> None:
+    """`out`: a fused projection's parts decode straight into their rows, the values a fresh tensor gets."""
+    shapes = [(3, 64), (5, 64)]
+    raws = [random_blocks(Q.Q4_1, shape, seed=i) for i, shape in enumerate(shapes)]
+    stacked = torch.full((8, 64), float("nan"), dtype=dtype)
+    assert dequantize(raws[0], Q.Q4_1, shapes[0], dtype, out=stacked[:3]).data_ptr() == stacked.data_ptr()
+    dequantize(raws[1], Q.Q4_1, shapes[1], dtype, out=stacked[3:])
+    assert torch.equal(stacked, torch.cat([dequantize(r, Q.Q4_1, s, dtype) for r, s in zip(raws, shapes)]))
+    with pytest.raises(ValueError, match="needs a contiguous"):
+        dequantize(raws[0], Q.Q4_1, shapes[0], dtype, out=stacked[:3, :32])

@@ -20,7 +20,7 @@ from nextoken.engine import engine as engine_module
 from nextoken.config import EngineConfig
 from nextoken.errors import ModelLoadError, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile, read_gguf
-from nextoken.models.fused import FusedDecoder
+from nextoken.ops.fused import FusedDecoder
 from nextoken.ops import native
 from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
 from tests.conftest import needs_native
@@ -245,7 +245,7 @@ def test_native_decode_steps_give_the_module_paths_results(tiny_q8: Path, monkey
     take their argmax there and skip the sampler; batches from one row to past HEAD_GEMM_ROWS (whose head takes the
     GEMM), log-probabilities, seeded sampling and penalties give exactly what the module path gives (the same
     kernels in the same order). A hook on the model (a tracer) sends steps back to the modules."""
-    from nextoken.models.fused import NativeStep
+    from nextoken.ops.fused import NativeStep
 
     runs: list[int] = []
     real_run = NativeStep.run

@@ -14,8 +14,8 @@ from nextoken import LLM, SamplingParams
 from nextoken.cache.kv_pool import KV_DTYPES, KVPool, KVShape
 from nextoken.engine.batch import ForwardBatch
 from nextoken.engine.graphs import DecodeGraphs, bucket, width_buckets
+from nextoken.engine.model_loader import load_model
 from nextoken.loader.gguf import read_gguf
-from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops.attention import AttentionMetadata
 

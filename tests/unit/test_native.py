@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from nextoken.cache.kv_pool import KV_DTYPES, KVCacheLayer, KVPool, KVShape, dequantize_int8, quantize_int8
+from nextoken.engine.model_loader import load_model
 from nextoken.loader.gguf import read_gguf
-from nextoken.models import load_model
 from nextoken.models.config import ModelConfig
-from nextoken.models.fused import FusedDecoder
 from nextoken.ops import native, quant_linear
 from nextoken.ops.attention import AttentionMetadata
+from nextoken.ops.fused import FusedDecoder
 from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
-                                       BlockWeight, q4_weight,
-                                        q8_codes, q8_weight, regroup)
+                                       BlockWeight, q4_weight, q8_weight)
+from nextoken.ops.quantize import q8_codes, regroup
 from tests.unit.test_native_fuzz import dequantized
 from tests.unit.test_sampler import grid_frequencies, reference_distribution
 

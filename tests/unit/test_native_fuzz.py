@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nextoken.ops import native
-from nextoken.ops.quant_linear import NIBBLE_KINDS, Q4, Q4_F32, Q8, Q8_HALVES, BlockWeight, pack_nibbles
+from nextoken.loader.codec import pack_nibbles
+from nextoken.ops.quant_linear import NIBBLE_KINDS, Q4, Q4_F32, Q8, Q8_HALVES, BlockWeight
 
 SETTINGS = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -11,12 +11,13 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from nextoken.loader.dequant import dequantize
+from nextoken.loader.codec import (dequantize, pack_nibbles, q4_codes, q4_nibbles, q5_codes, q6_codes, q8_0_codes,
+                                   unpack_nibbles)
 from nextoken.ops import native
 from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8,
-                                        Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead, q4_codes,
-                                        q4_weight, q5_codes, q6_codes, q8_0_codes, q8_codes, q8_weight, regroup,
-                                        unpack_nibbles)
+                                        Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead,
+                                        q4_weight, q8_weight)
+from nextoken.ops.quantize import q8_codes, regroup
 
 _Q = GGMLQuantizationType
 
@@ -318,3 +319,15 @@ def test_block_embedding_rows_are_the_files_values() -> None:
     with pytest.raises(IndexError, match="out of range"):
         table(torch.tensor([3, vocab]))
     assert table.nbytes == raw.nbytes and table.nbytes < dense.nbytes / 3.7
+
+
+@pytest.mark.parametrize("qtype", [_Q.Q4_0, _Q.Q4_1, _Q.Q4_K])
+def test_q4_nibbles_are_the_codes_packed(qtype: GGMLQuantizationType) -> None:
+    """The kernels' Q4 form straight from the file (Q4_0's and Q4_1's bytes as they are) is the codes, packed."""
+    rows, cols = 12, 256
+    raw = random_blocks(qtype, rows, cols) if qtype == _Q.Q4_K else gguf.quants.quantize(
+        np.random.default_rng(2).standard_normal((rows, cols)).astype(np.float32), qtype).reshape(-1)
+    codes, d, m = q4_codes(raw, qtype, (rows, cols))
+    qs, d2, m2 = q4_nibbles(raw, qtype, (rows, cols))
+    assert torch.equal(qs, pack_nibbles(codes)) and torch.equal(d2, d) and torch.equal(m2, m)
+    assert torch.equal(unpack_nibbles(qs), codes)

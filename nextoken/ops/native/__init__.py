@@ -6,7 +6,7 @@ int4 kernel wants bf16 activations and reads at a fraction of memory bandwidth o
 decode step needs in single calls: block-quantized matrix products (Q4 and int8 weights, activations quantized to
 int16 blocks on the fly), an fp32 GEMM over weights packed in panels (for batches bound by compute, where it beats
 torch's on skinny shapes), RMSNorm fused with the residual add, paged decode attention, gated activations, and every
-decoder block of a decode step at once (`decode_layers`, used by models/fused.py), or the whole step with the token
+decoder block of a decode step at once (`decode_layers`, used by ops/fused.py), or the whole step with the token
 table and the LM head (`decode_step`).
 
 The library links the OpenMP runtime torch already loaded, so both share one thread pool. Where there is no

@@ -109,6 +109,10 @@ class FusedDecoder:
         except ValueError:
             return None
 
+    def rebuilt(self) -> FusedDecoder | None:
+        """The decoder over the model's modules as they are now (their tensors or settings changed)."""
+        return FusedDecoder.build(self.model)
+
     def applies(self, x: torch.Tensor, kv_caches: list[KVCacheLayer], meta: AttentionMetadata) -> bool:
         """Batches of fp32 CPU rows over a cache the native attention reads, decode-only or (where the prefill kernel
         runs: AVX-512, head sizes a multiple of 16) any, with no hooks on the blocks (whoever hooks them expects
