@@ -1,4 +1,6 @@
-"""Process-wide settings: every default and environment variable nextoken reads lives here.
+"""Process-wide settings: the engine's defaults and the cache directory ($NEXTOKEN_CACHE_DIR). The native kernels'
+switches are read where they are built (ops/native: NEXTOKEN_NATIVE=0 turns them off, NEXTOKEN_NATIVE_SANITIZE=1
+builds them under the sanitizers, CC picks the compiler).
 
 Engine configuration dataclasses are frozen and validated once, at the edge.
 """
