@@ -57,7 +57,7 @@ EXACT_PANEL_TYPES = {"int4": (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q5_0, _Q.Q6_K, _Q.Q8
                      "int8": (_Q.Q5_0, _Q.Q6_K, _Q.Q8_0)}
 
 
-Q4, Q4_F32, Q8, Q8_HALVES = 4, 5, 8, 6  # the kernels' weight formats (ops/native/kernels.c, nt_block_matmul)
+Q4, Q4_F32, Q8, Q8_HALVES = native.Format.Q4, native.Format.Q4_F32, native.Format.Q8, native.Format.Q8_HALVES
 NIBBLE_KINDS = (Q4, Q4_F32)
 
 
@@ -152,7 +152,7 @@ class BlockLinear(nn.Module):
         self.activations = "int16"
         self.lib = native.library()
         # With AVX-512 VNNI the int16 GEMM over the blocks (nt_block_gemm) beats the fp32 one over panels for
-        # every batch past the block kernels (measured beside block_gemm_codes in kernels.c): no panels are kept.
+        # every batch past the block kernels (measured beside block_gemm_codes in ops/native/gemm.c): no panels are kept.
         vnni = self.lib is not None and bool(self.lib.nt_has_vnni512())
         packed = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
