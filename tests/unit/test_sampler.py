@@ -16,6 +16,7 @@ from nextoken.engine.sampler import Sampler, SamplingRow, argmax, filter_logits,
 from nextoken.errors import InvalidSamplingParams
 from nextoken.ops import native
 from nextoken.sampling_params import SamplingParams
+from tests.conftest import needs_native
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
@@ -230,7 +231,6 @@ def test_invalid_params_name_the_field(field: str, value: object) -> None:
         SamplingParams(**{field: value})  # type: ignore[arg-type]
 
 
-needs_native = pytest.mark.skipif(native.library() is None, reason="the native kernels could not be built here")
 
 
 def grid_frequencies(lib: Any, row: torch.Tensor, p: tuple[float, int, float, float], n: int) -> np.ndarray:
