@@ -9,10 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from nextoken.errors import ModelLoadError
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.weights import load_weights
-from nextoken.models import ARCHITECTURES
 from nextoken.models.base import CausalLM
 from nextoken.models.config import ModelConfig
 from nextoken.ops.quantize import WeightFormats, quantize_model
@@ -24,11 +22,8 @@ def load_model(gguf: GGUFFile, config: ModelConfig, *, dtype: torch.dtype = torc
     """The model of `gguf` on `device`, in eval mode: dense projections in `dtype`, or with `quant` ("int4", "int8")
     block-quantized ones; with `quantize_head` the int8 LM head for decode rows (see WeightFormats). `progress` is
     called with each parameter's name as the file's tensors are attached."""
-    cls = ARCHITECTURES.get(config.architecture)
-    if cls is None:
-        raise ModelLoadError(gguf.path, f"unknown architecture {config.architecture!r}")
     with torch.device("meta"):
-        model = cls(config)
+        model = CausalLM(config)
     load_weights(model, gguf, progress)
     quantize_model(model, WeightFormats(dtype, torch.device(device), quant, quantize_head))
     return model.eval()

@@ -1,15 +1,13 @@
 """Model definitions: the math of one forward pass, nothing else (no requests, no scheduling, no file formats).
 
-`ARCHITECTURES` maps a file's `general.architecture` to its class; engine/model_loader.py builds one from a GGUF file.
+One model class, `CausalLM` (base.py), built from its family's recipe (recipe.py); each family is one short file
+declaring it (llama.py, gemma3.py, qwen2.py, qwen3.py, phi3.py, gpt2.py), registered in config.py's `FAMILIES`
+under the `general.architecture` its GGUF files carry.
 """
 
 from __future__ import annotations
 
 from nextoken.models.base import CausalLM
-from nextoken.models.gemma3 import Gemma3ForCausalLM
-from nextoken.models.llama import LlamaForCausalLM
+from nextoken.models.config import FAMILIES, ModelConfig
 
-ARCHITECTURES: dict[str, type[CausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "gemma3": Gemma3ForCausalLM,
-}
+__all__ = ["FAMILIES", "CausalLM", "ModelConfig"]

@@ -1,10 +1,12 @@
-"""The decoder-only skeleton every architecture shares: embed -> blocks -> final norm -> LM head.
+"""The decoder-only model every architecture shares: embed (plus learned positions) -> blocks -> final norm -> LM head,
+each block built from the architecture's recipe (models/recipe.py): pre-norm attention and MLP with residuals, norms
+of their outputs where the recipe has them.
 
-An architecture file supplies its decoder block, `layer_tensor_map` (parameter name -> the file tensors that make it,
-concatenated along the output dimension, so q/k/v and gate/up load straight into fused projections) and `row_order`
-(its layout fixes of a file tensor's rows). The math only: a model is built on the meta device, the loader attaches the
-file's tensors as stored (loader/weights.py), and a pass gives each module the format it runs in (ops/quantize.py:
-dense, block-quantized projections, a Q8 token table, an int8 LM head, a fused decode path).
+The recipe also names the file tensors that make each parameter (concatenated along the output dimension, so q/k/v
+and gate/up load straight into fused projections), and `row_order` puts the rows of q and k in the rotary layout the
+model runs. The math only: a model is built on the meta device, the loader attaches the file's tensors as stored
+(loader/weights.py), and a pass gives each module the format it runs in (ops/quantize.py: dense, block-quantized
+projections, a Q8 token table, an int8 LM head, a fused decode path).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from torch import nn
 
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.models.config import ModelConfig
-from nextoken.models.layers import Linear, RMSNorm
+from nextoken.models.layers import (GatedMLP, Linear, PlainMLP, RotaryEmbedding, SelfAttention, make_norm,
+                                    rotary_rows)
 from nextoken.models.probe import FUSED_BLOCKS, MODULES, ForwardProbe
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
@@ -37,29 +40,79 @@ class FusedPath(Protocol):
         """The same path over the modules as they are now (None where it no longer applies)."""
 
 
-class CausalLM(nn.Module):
-    """Base class: subclasses set `self.layers` (blocks called as layer(x, positions, kv_cache, meta))."""
+class DecoderBlock(nn.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)): each output normed first where the recipe says (`sandwich`)."""
 
-    layers: nn.ModuleList
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding | None, sliding_window: int | None) -> None:
+        super().__init__()
+        recipe, eps = cfg.recipe, cfg.norm_eps
+        self.input_norm = make_norm(recipe.norm, cfg.hidden_size, eps)
+        self.attn = SelfAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rope,
+                                  scale=cfg.query_scale, sliding_window=sliding_window,
+                                  qk_norm_eps=eps if recipe.qk_norm else None, qkv_bias=recipe.qkv_bias,
+                                  o_bias=recipe.o_bias)
+        self.post_attn_norm = make_norm(recipe.norm, cfg.hidden_size, eps) if recipe.sandwich else None
+        self.pre_mlp_norm = make_norm(recipe.norm, cfg.hidden_size, eps)
+        self.mlp: nn.Module = GatedMLP(cfg.hidden_size, cfg.ffn_size, recipe.activation) if recipe.mlp == "gated" \
+            else PlainMLP(cfg.hidden_size, cfg.ffn_size, recipe.activation, recipe.mlp_bias)
+        self.post_mlp_norm = make_norm(recipe.norm, cfg.hidden_size, eps) if recipe.sandwich else None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.attn(self.input_norm(x), positions, kv_cache, meta)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x, h = self.pre_mlp_norm.add(x, h)
+        h = self.mlp(h)
+        if self.post_mlp_norm is not None:
+            h = self.post_mlp_norm(h)
+        return h.add_(x)  # in place: a fresh sum's pages would fault in at every layer
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model of any family: its blocks as `config.recipe` declares them."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
+        recipe = config.recipe
         # Built with an empty weight (no random init: see Linear.reset_parameters); filled from the file. The
         # quantization pass may hold it in blocks instead (ops/quantize.py).
         self.embed_tokens: nn.Module = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.embed_positions: nn.Module | None = None
+        if recipe.positions == "learned":
+            self.embed_positions = nn.Embedding(config.context_length, config.hidden_size,
+                                                _weight=torch.empty(config.context_length, config.hidden_size))
+        self.norm = make_norm(recipe.norm, config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         # The LM head for decode rows, where the quantization pass gives one: called as (hidden, out) -> logits.
         self.quantized_head: nn.Module | None = None
         self.fused: FusedPath | None = None  # set by the quantization pass where every projection is in blocks
         self.probe: ForwardProbe | None = None  # an observer of forward passes (a tracer's), on whichever path
+        # Rotary q/k in the interleaved layout (one complex multiplication) where every dimension rotates, else
+        # half-split; the loader orders the file's q and k rows to match (row_order).
+        self.rope_layout: str | None = None
+        global_rope = local_rope = None
+        if recipe.positions == "rope":
+            local = config.rope_local or config.rope
+            self.rope_layout = "interleaved" if config.rope.dim == local.dim == config.head_dim else "neox"
+            global_rope = RotaryEmbedding(config.rope, config.head_dim, self.rope_layout)
+            local_rope = global_rope if config.rope_local is None else \
+                RotaryEmbedding(config.rope_local, config.head_dim, self.rope_layout)
+        self.layers = nn.ModuleList(
+            DecoderBlock(config, local_rope, config.sliding_window) if sliding else
+            DecoderBlock(config, global_rope, None) for sliding in config.layer_is_sliding)
 
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The token rows [num_tokens, hidden] (scaled where the family scales them), plus the rows of their
+        `positions` where the model learned absolute ones."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
+        if self.embed_positions is not None:
+            assert positions is not None, "a model with learned positions embeds tokens at their positions"
+            x = x + self.embed_positions(positions)
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +162,7 @@ class CausalLM(nn.Module):
         probe = self.probe
         if probe is not None:
             probe.begin(positions)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids, positions)
         fused = not modules and self.fused is not None and self.fused.applies(x, kv_caches, meta)
         if probe is not None:
             probe.embedded(FUSED_BLOCKS if fused else MODULES)
@@ -139,18 +192,37 @@ class CausalLM(nn.Module):
             "embed_tokens.weight": ("token_embd.weight",),
             "norm.weight": ("output_norm.weight",),
         }
+        if cfg.recipe.norm == "layer":
+            names["norm.bias"] = ("output_norm.bias",)
+        if self.embed_positions is not None:
+            names["embed_positions.weight"] = ("position_embd.weight",)
         if self.lm_head is not None:
             names["lm_head.weight"] = ("output.weight",)
         for i in range(cfg.num_layers):
-            for param, files in self.layer_tensor_map().items():
+            for param, files in cfg.recipe.layer_tensors().items():
                 names[f"layers.{i}.{param}"] = tuple(f"blk.{i}.{f}" for f in files)
         return names
 
-    def layer_tensor_map(self) -> dict[str, tuple[str, ...]]:
-        raise NotImplementedError
-
     def row_order(self, gguf_name: str, num_rows: int) -> torch.Tensor | None:
-        """The order in which this architecture takes a file tensor's rows (dim 0; the elements of a vector), where it
-        differs from the file's: a layout fix such as undoing a permutation, applied alike to decoded values and to
-        block codes. None: as stored."""
+        """The order in which the model takes a file tensor's rows (dim 0; a vector's elements), where it differs
+        from the file's: q's and k's rows (and their biases and per-head norm weights) from the layout the file
+        stores them in to the model's rotary layout, applied alike to decoded values and to block codes. None: as
+        stored."""
+        cfg = self.config
+        stored = cfg.recipe.gguf_rope_rows
+        if self.rope_layout is None or self.rope_layout == stored:
+            return None
+        kind = gguf_name.rsplit(".", 2)[-2] if gguf_name.count(".") >= 2 else ""
+        rows = torch.arange(num_rows)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        if kind == "attn_q":
+            return rotary_rows(rows, cfg.num_heads, to=self.rope_layout)
+        if kind == "attn_k":
+            return rotary_rows(rows, cfg.num_kv_heads, to=self.rope_layout)
+        if kind in ("attn_q_norm", "attn_k_norm"):  # per head dimension: the same order in every head
+            return rotary_rows(rows, 1, to=self.rope_layout)
+        if kind == "attn_qkv" and num_rows == q_size + 2 * kv_size:
+            return torch.cat((rotary_rows(rows[:q_size], cfg.num_heads, to=self.rope_layout),
+                              rotary_rows(rows[q_size:q_size + kv_size], cfg.num_kv_heads, to=self.rope_layout),
+                              rows[q_size + kv_size:]))
         return None

@@ -1,8 +1,9 @@
 """ModelConfig: the hyperparameters of one model, read from its file's metadata and never guessed from names.
 
-Where a GGUF file leaves a value implicit, the architecture's published configuration supplies it (Gemma 3: every
-sixth layer global, local RoPE base 10,000, query scale 1/sqrt(head_dim)); each such default is marked below.
-Missing required keys and inconsistent tokenizer arrays raise ModelLoadError naming the key.
+The keys every family shares (llama.cpp's `{arch}.block_count`, `embedding_length`, ...) are read here; a family's own
+settings by its file's `configure` (models/gemma3.py), which also marks where the file leaves a value implicit and the
+architecture's published configuration supplies it. Missing required keys and inconsistent tokenizer arrays raise
+ModelLoadError naming the key.
 """
 
 from __future__ import annotations
@@ -14,8 +15,16 @@ import numpy as np
 
 from nextoken.errors import ModelLoadError
 from nextoken.loader.gguf import GGUFFile
+from nextoken.models.gemma3 import GEMMA3
+from nextoken.models.gpt2 import GPT2
+from nextoken.models.llama import LLAMA
+from nextoken.models.phi3 import PHI3
+from nextoken.models.qwen2 import QWEN2
+from nextoken.models.qwen3 import QWEN3
+from nextoken.models.recipe import Family, Recipe, RopeConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, GEMMA3, QWEN2, QWEN3, PHI3, GPT2)}
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # Text of tokens that end a turn in the chat formats we know; the file's EOS id always ends generation too.
 END_OF_TURN_TEXTS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|eom_id|>")
@@ -27,16 +36,9 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
 
 
 @dataclass(frozen=True)
-class RopeConfig:
-    theta: float  # base of the rotary frequencies
-    dim: int  # rotated dimensions per head (<= head_dim)
-    scaling_type: str = "none"  # "none" | "linear"
-    scaling_factor: float = 1.0
-
-
-@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
+    recipe: Recipe  # what the blocks are made of (models/recipe.py)
     name: str
     num_layers: int
     hidden_size: int
@@ -72,16 +74,25 @@ class ModelConfig:
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelLoadError(gguf.path, "missing required metadata 'general.architecture'")
-        if arch not in SUPPORTED_ARCHITECTURES:
+        family = FAMILIES.get(arch)
+        if family is None:
             raise ModelLoadError(gguf.path, f"unknown architecture {arch!r} "
                                             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        recipe = family.recipe
+        required = object()
 
-        def get(key: str, default: Any = None, *, kind: type = int) -> Any:
+        def get(key: str, default: Any = required, *, kind: type = int) -> Any:
             full = f"{arch}.{key}"
-            value = md.get(full, default)
+            value = md.get(full)
             if value is None:
-                raise ModelLoadError(gguf.path, f"missing required metadata {full!r}")
-            if isinstance(value, (np.ndarray, list)) and kind is not list:
+                if default is required:
+                    raise ModelLoadError(gguf.path, f"missing required metadata {full!r}")
+                return default
+            if kind is list:
+                if not isinstance(value, (np.ndarray, list)):
+                    raise ModelLoadError(gguf.path, f"metadata {full!r} must be an array")
+                return list(value)
+            if isinstance(value, (np.ndarray, list)):
                 raise ModelLoadError(gguf.path, f"metadata {full!r} must be a single {kind.__name__}")
             try:
                 value = kind(value)
@@ -132,49 +143,33 @@ class ModelConfig:
                 eog.add(i)
 
         rope_dim = get("rope.dimension_count", head_dim)
-        scaling = md.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(md.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
+        scaling = str(get("rope.scaling.type", "none", kind=str))
+        if scaling not in ("none", "linear", "longrope"):
+            raise ModelLoadError(gguf.path, f"RoPE scaling {scaling!r} is not supported")
+        factors, attention_factor = _rope_factors(gguf, get, rope_dim)
         rope = RopeConfig(theta=get("rope.freq_base", 10_000.0, kind=float), dim=rope_dim,
-                          scaling_type=str(scaling), scaling_factor=factor)
-        if rope.scaling_type not in ("none", "linear"):
-            raise ModelLoadError(gguf.path, f"RoPE scaling {rope.scaling_type!r} is not supported")
-
-        sliding_window: int | None = None
-        layer_is_sliding = (False,) * num_layers
-        rope_local: RopeConfig | None = None
-        query_scale = head_dim ** -0.5
-        embedding_scale = 1.0
-        if arch == "gemma3":
-            sliding_window = get("attention.sliding_window")
-            pattern = md.get(f"{arch}.attention.sliding_window_pattern")
-            if pattern is not None and len(pattern) == num_layers:
-                layer_is_sliding = tuple(bool(x) for x in pattern)
-            else:
-                # Gemma 3's published configuration: five local layers, then one global (layer i is global
-                # when (i + 1) % 6 == 0); the local layers use RoPE base 10,000.
-                layer_is_sliding = tuple((i + 1) % 6 != 0 for i in range(num_layers))
-            rope_local = RopeConfig(theta=float(md.get(f"{arch}.rope.freq_base_swa", 10_000.0)), dim=rope_dim)
-            embedding_scale = hidden ** 0.5
+                          scaling_type="linear" if scaling == "linear" else "none",
+                          scaling_factor=(get("rope.scaling.factor", 1.0, kind=float) or 1.0) if scaling == "linear" else 1.0,
+                          freq_factors=factors, attention_factor=attention_factor)
+        window = get("attention.sliding_window", None)  # a Mistral-style window on every layer, where set
+        eps_key = "attention.layer_norm_rms_epsilon" if recipe.norm == "rms" else "attention.layer_norm_epsilon"
+        fields: dict[str, Any] = dict(
+            num_layers=num_layers, hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, rope=rope,
+            rope_local=None, sliding_window=window, layer_is_sliding=(window is not None,) * num_layers,
+            query_scale=head_dim ** -0.5, embedding_scale=1.0, norm_eps=get(eps_key, 1e-6 if recipe.norm == "rms"
+                                                                              else 1e-5, kind=float))
+        if family.configure is not None:
+            family.configure(get, fields)
 
         file_type = md.get("general.file_type")
         return cls(
             architecture=arch,
+            recipe=recipe,
             name=str(md.get("general.name", gguf.path.stem)),
-            num_layers=num_layers,
-            hidden_size=hidden,
             ffn_size=get("feed_forward_length"),
-            num_heads=num_heads,
             num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
             context_length=get("context_length"),
             vocab_size=vocab_size,
-            norm_eps=get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
-            rope=rope,
-            rope_local=rope_local,
-            sliding_window=sliding_window,
-            layer_is_sliding=layer_is_sliding,
-            query_scale=query_scale,
-            embedding_scale=embedding_scale,
             tie_word_embeddings="output.weight" not in gguf.tensors,
             bos_id=special["bos"],
             eos_id=special["eos"],
@@ -183,7 +178,30 @@ class ModelConfig:
             quantization=FILE_TYPES.get(int(file_type), f"type {file_type}") if file_type is not None
             else _dominant_type(gguf),
             num_parameters=gguf.num_parameters,
+            **fields,
         )
+
+
+def _rope_factors(gguf: GGUFFile, get: Any, rope_dim: int) -> tuple[tuple[float, ...] | None, float]:
+    """(per-frequency divisors, the factor on cos and sin) from the file's extra RoPE tensors: Llama 3's `rope_freqs`,
+    or Phi-3's longrope pair, of which the long factors apply where the model's context is longer than the one it
+    was trained at (llama.cpp's choice: by the context, not by each sequence's length)."""
+    names = ["rope_freqs.weight"]
+    if "rope_factors_long.weight" in gguf.tensors:
+        original = get("rope.scaling.original_context_length", None)
+        long = original is not None and get("context_length") > original
+        names = ["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+    for name in names:
+        info = gguf.tensors.get(name)
+        if info is None:
+            continue
+        if info.shape != (rope_dim // 2,):
+            raise ModelLoadError(gguf.path, f"tensor {name!r} has shape {info.shape}, expected ({rope_dim // 2},)")
+        if info.qtype.name not in ("F32", "F16"):  # as llama.cpp writes them: a few floats, never in blocks
+            raise ModelLoadError(gguf.path, f"tensor {name!r} is {info.qtype.name}; expected F32 or F16")
+        values = gguf.raw(name).view(np.float32 if info.qtype.name == "F32" else np.float16)
+        return tuple(float(v) for v in values.tolist()), get("rope.scaling.attn_factor", 1.0, kind=float)
+    return None, 1.0
 
 
 def _dominant_type(gguf: GGUFFile) -> str:

@@ -1,4 +1,5 @@
-"""Building blocks shared by the model files: RMSNorm, rotary embedding, gated MLP, self-attention.
+"""The parts decoder blocks are made of (models/recipe.py names them): RMSNorm and LayerNorm, rotary embedding, gated
+and plain MLPs, self-attention.
 
 Every block works on a flat token dimension ([num_tokens, hidden]): sequences of a batch are laid out back to back
 and only attention needs to know where one ends (through `AttentionMetadata`). Activations (the residual stream,
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nextoken.cache.kv_pool import KVCacheLayer
-from nextoken.models.config import RopeConfig
+from nextoken.models.recipe import RopeConfig
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata, paged_attention
 
@@ -68,6 +69,29 @@ class RMSNorm(nn.Module):
         return x, self(x)
 
 
+class LayerNorm(nn.Module):
+    """(x - mean) / sqrt(var + eps) * weight + bias over the last dimension (GPT-2's norm), in fp32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.weight.shape, self.weight, self.bias, self.eps).to(x.dtype)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm), as RMSNorm.add."""
+        x = x + delta
+        return x, self(x)
+
+
+def make_norm(kind: str, dim: int, eps: float) -> RMSNorm | LayerNorm:
+    """A recipe's norm: "rms" or "layer"."""
+    return RMSNorm(dim, eps) if kind == "rms" else LayerNorm(dim, eps)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in one of two layouts of a head's dimensions:
 
@@ -90,6 +114,8 @@ class RotaryEmbedding(nn.Module):
         self.layout = layout
         self.theta = rope.theta
         self.scaling_factor = rope.scaling_factor if rope.scaling_type == "linear" else 1.0
+        self.freq_factors = rope.freq_factors
+        self.attention_factor = rope.attention_factor
         self._cos = torch.empty(0)
         self._sin = torch.empty(0)
         self._cis = torch.empty(0, dtype=torch.complex64)
@@ -102,9 +128,13 @@ class RotaryEmbedding(nn.Module):
             size = max(256, 1 << (length - 1).bit_length())
             exponents = torch.arange(0, self.dim, 2, dtype=torch.int64, device=device).float() / self.dim
             inv_freq = 1.0 / (self.theta ** exponents) / self.scaling_factor  # [dim/2]
+            if self.freq_factors is not None:
+                inv_freq = inv_freq / torch.tensor(self.freq_factors, dtype=torch.float32, device=device)
             positions = torch.arange(size, dtype=torch.float32, device=device)
             freqs = torch.outer(positions, inv_freq)  # [size, dim/2]
             self._cos, self._sin = freqs.cos(), freqs.sin()
+            if self.attention_factor != 1.0:
+                self._cos, self._sin = self._cos * self.attention_factor, self._sin * self.attention_factor
             self._cis = torch.complex(self._cos, self._sin)
         return self._cos, self._sin
 
@@ -185,14 +215,42 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+class PlainMLP(nn.Module):
+    """down(act(up(x) + up_bias)) + down_bias: GPT-2's MLP (GELU, tanh approximation), biases where the recipe has
+    them."""
+
+    def __init__(self, hidden: int, ffn: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.ffn = ffn
+        self.up_proj = Linear(hidden, ffn)
+        self.down_proj = Linear(ffn, hidden)
+        self.activation = activation
+        self.up_bias = nn.Parameter(torch.zeros(ffn), requires_grad=False) if bias else None
+        self.down_bias = nn.Parameter(torch.zeros(hidden), requires_grad=False) if bias else None
+        if activation == "silu":
+            self.act = F.silu
+        elif activation == "gelu_tanh":
+            self.act = lambda x: F.gelu(x, approximate="tanh")
+        else:
+            raise ValueError(f"unknown activation {activation!r}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up_proj(x)
+        if self.up_bias is not None:
+            h = h + self.up_bias
+        out = self.down_proj(self.act(h))
+        return out if self.down_bias is None else out + self.down_bias
+
+
 class SelfAttention(nn.Module):
     """Causal (optionally sliding-window) grouped-query attention over the paged KV cache.
 
     q, k and v come from one fused projection; optional per-head RMSNorm of q and k (Gemma 3) runs before RoPE.
     """
 
-    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding,
-                 scale: float, sliding_window: int | None = None, qk_norm_eps: float | None = None) -> None:
+    def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, rope: RotaryEmbedding | None,
+                 scale: float, sliding_window: int | None = None, qk_norm_eps: float | None = None,
+                 qkv_bias: bool = False, o_bias: bool = False) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -201,6 +259,10 @@ class SelfAttention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size)
         self.o_proj = Linear(self.q_size, hidden)
+        # Biases beside the projections, not in them: a projection is a weight in whatever format it runs in.
+        self.qkv_bias = nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size), requires_grad=False) \
+            if qkv_bias else None
+        self.o_bias = nn.Parameter(torch.zeros(hidden), requires_grad=False) if o_bias else None
         self.rope = rope
         self.scale = scale
         self.sliding_window = sliding_window
@@ -211,11 +273,17 @@ class SelfAttention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = qkv[:, qk_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
-        q, k = self.rope(positions, qk, self.num_heads)
+        if self.rope is not None:
+            q, k = self.rope(positions, qk, self.num_heads)
+        else:  # learned positions: added to the token rows already
+            q, k = qk[:, :self.num_heads].float().contiguous(), qk[:, self.num_heads:].float().contiguous()
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = self.o_proj(out.reshape(num_tokens, self.q_size))
+        return out if self.o_bias is None else out + self.o_bias

@@ -78,7 +78,8 @@ class FusedDecoder:
         layers = []
         for block in model.layers:
             attn, mlp = block.attn, block.mlp
-            norms = block.fused_norms()
+            norms = {"attn_in": block.input_norm, "attn_out": block.post_attn_norm, "mlp_in": block.pre_mlp_norm,
+                     "mlp_out": block.post_mlp_norm}
             matrices = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(m is None for m in matrices):
                 raise ValueError("a projection is not block-quantized on the native kernels")
@@ -102,7 +103,7 @@ class FusedDecoder:
     @classmethod
     def build(cls, model: CausalLM) -> FusedDecoder | None:
         lib = native.library()
-        if lib is None or not all(hasattr(block, "fused_norms") for block in model.layers):
+        if lib is None or model.config.recipe.native_gaps():  # the recipe has parts the native step lacks
             return None
         try:
             return cls(lib, model)

@@ -42,7 +42,7 @@ class ModelCost:
     """
 
     config: ModelConfig
-    block_params: int  # q/k/v/o and gate/up/down projections, all layers
+    block_params: int  # q/k/v/o and (gate/)up/down projections, all layers
     head_params: int  # the LM head (the embedding table when tied)
     weight_bytes: int  # bytes of block projections + LM head as stored (what one forward pass reads)
     kv_bytes_per_token: int  # 2 x layers x kv_heads x head_dim x KV dtype bytes (+ int8's scales)
@@ -56,7 +56,7 @@ class ModelCost:
         kv = config.num_kv_heads * config.head_dim
         per_layer = (config.hidden_size * (q + 2 * kv)  # qkv_proj
                      + q * config.hidden_size  # o_proj
-                     + 3 * config.hidden_size * config.ffn_size)  # gate, up, down
+                     + (3 if config.recipe.mlp == "gated" else 2) * config.hidden_size * config.ffn_size)  # (gate), up, down
         block_params = config.num_layers * per_layer
         head_params = config.hidden_size * config.vocab_size
         return cls(config=config, block_params=block_params, head_params=head_params,

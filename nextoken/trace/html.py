@@ -211,7 +211,7 @@ def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
         lanes.append({"name": stage, "color": _COLORS[stage], "total": summary.stage_s[stage], "spans": spans})
     return {"model": summary.model_name, "num_prompt": len(run.prompt_ids), "tokens": tokens, "steps": steps,
             "attention": _attention_data(tracer, summary), "timeline": {"total": run.total_s, "stages": lanes},
-            "text": run.text, "paths": describe_paths(summary.paths)}
+            "text": run.text, "paths": describe_paths(summary.paths, summary.native_gaps)}
 
 
 def render_html(llm: Any, run: RunResult, summary: Summary) -> str:

@@ -61,12 +61,16 @@ def piece_hex(tokenizer: Any, token_id: int) -> str:
     return "" if data.isascii() else data.hex(" ")
 
 
-def describe_paths(paths: dict[str, dict[str, int]]) -> str:
-    """"prefill: 1 step on fused blocks; decode: 15 steps on native step (fused blocks: ...; native step: ...)"."""
+def describe_paths(paths: dict[str, dict[str, int]], native_gaps: list[str] = ()) -> str:
+    """"prefill: 1 step on fused blocks; decode: 15 steps on native step (fused blocks: ...; native step: ...)", and
+    where steps ran on the modules because the model has parts the native step lacks, which."""
     phases = [f"{phase}: " + ", ".join(f"{n} step{'s' * (n != 1)} on {path}" for path, n in counts.items())
               for phase, counts in paths.items() if counts]
     used = [p for p in PATHS if any(p in counts for counts in paths.values())]
-    return "; ".join(phases) + " (" + "; ".join(f"{p}: {PATH_LABELS[p]}" for p in used) + ")"
+    text = "; ".join(phases) + " (" + "; ".join(f"{p}: {PATH_LABELS[p]}" for p in used) + ")"
+    if native_gaps and MODULES in used:
+        text += f"; this model runs on the modules: the native step has no {', '.join(native_gaps)}"
+    return text
 
 
 def describe_replay(r: ReplaySummary) -> str:
@@ -159,7 +163,7 @@ def _blocks(console: Console, llm: Any, tracer: RecordingTracer, s: Summary) -> 
     stages.add_row(Text("measured total", style="bold"), "", "", "", ms(s.total_s), "100%")
     console.print(stages)
     console.print(f"stages add up to {s.coverage:.1%} of the measured total")
-    console.print(f"forward passes, on the paths an untraced run takes: {describe_paths(s.paths)}")
+    console.print(f"forward passes, on the paths an untraced run takes: {describe_paths(s.paths, s.native_gaps)}")
     layers = Table(title="per layer (attention / feed-forward / norms and residuals): from the native calls' own "
                          "counters where steps ran fused, from module hooks where the modules ran",
                    title_justify="left", show_edge=False)

@@ -74,6 +74,7 @@ class Summary:
     baseline_timings: dict[str, float | None] | None
     deterministic: bool  # greedy or seeded: an untraced run must draw the same tokens
     paths: dict[str, dict[str, int]]  # phase -> steps per path (models.probe.PATHS)
+    native_gaps: list[str]  # the model's parts the fused native step lacks (models/recipe.py): why it runs the modules
     replay: ReplaySummary | None  # None: no step re-run (no attention maps asked for, or none ran fused)
 
     @property
@@ -156,6 +157,7 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
         timings=run.timings, baseline_timings=baseline.timings if baseline is not None else None,
         deterministic=run.params.is_greedy or run.params.seed is not None,
         paths={phase: dict(tracer.paths(phase)) for phase in ("prefill", "decode")},
+        native_gaps=cfg.recipe.native_gaps(),
         replay=ReplaySummary.of(tracer.replays),
     )
 

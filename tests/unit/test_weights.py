@@ -15,7 +15,7 @@ from nextoken.engine.model_loader import load_model
 from nextoken.errors import ModelLoadError
 from nextoken.loader.gguf import read_gguf
 from nextoken.loader.weights import FileBacked, load_weights
-from nextoken.models import ARCHITECTURES
+from nextoken.models import CausalLM
 from nextoken.models.config import ModelConfig
 from nextoken.ops.attention import AttentionMetadata
 from tests.tiny import write_tiny_model
@@ -28,7 +28,7 @@ def loaded(path: Path) -> tuple[torch.nn.Module, ModelConfig]:
     gguf = read_gguf(path)
     config = ModelConfig.from_gguf(gguf)
     with torch.device("meta"):
-        model = ARCHITECTURES[config.architecture](config)
+        model = CausalLM(config)
     load_weights(model, gguf)
     return model, config
 
@@ -79,7 +79,7 @@ def test_a_type_that_cannot_be_decoded_fails_the_load(tmp_path: Path, monkeypatc
                                                             info.nbytes))
     config = ModelConfig.from_gguf(gguf)
     with torch.device("meta"):
-        model = ARCHITECTURES[config.architecture](config)
+        model = CausalLM(config)
     with pytest.raises(ModelLoadError, match="blk.1.ffn_up.weight: unsupported tensor type IQ2_XXS"):
         load_weights(model, gguf)
     assert np.frombuffer(gguf.raw("token_embd.weight"), np.uint8).size > 0
