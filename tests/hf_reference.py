@@ -28,6 +28,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=BOS, eos_token_id=EOS)
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500_000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+# Phi-3's long-context scaling: long factors past 32 tokens (where the model's 256-token context is longer), short
+# ones within; an attention factor from the ratio.
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10_000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0]}
 # name -> (transformers config class, its arguments, the GGUF architecture)
 ARCHS: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama": ("LlamaConfig", dict(COMMON, rms_norm_eps=1e-6, tie_word_embeddings=False), "llama"),
@@ -36,6 +40,8 @@ ARCHS: dict[str, tuple[str, dict[str, Any], str]] = {
     "qwen2": ("Qwen2Config", dict(COMMON, rms_norm_eps=1e-6, tie_word_embeddings=True), "qwen2"),
     "qwen3": ("Qwen3Config", dict(COMMON, rms_norm_eps=1e-6, head_dim=24, tie_word_embeddings=False), "qwen3"),
     "phi3": ("Phi3Config", dict(COMMON, rms_norm_eps=1e-5, pad_token_id=0, tie_word_embeddings=False), "phi3"),
+    "phi3-longrope": ("Phi3Config", dict(COMMON, rms_norm_eps=1e-5, pad_token_id=0, tie_word_embeddings=False,
+                                         rope_parameters=LONGROPE, original_max_position_embeddings=32), "phi3"),
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                 activation_function="gelu_new", bos_token_id=BOS, eos_token_id=EOS), "gpt2"),
 }
@@ -128,6 +134,13 @@ def write_gguf(model: torch.nn.Module, name: str, path: Path) -> Path:
             w.add_sliding_window(cfg.sliding_window)
         if rope.get("rope_type") == "llama3":
             w.add_tensor("rope_freqs.weight", _llama3_factors(rope, head_dim))
+        if rope.get("rope_type") == "longrope":
+            original = rope["original_max_position_embeddings"]
+            scale = cfg.max_position_embeddings / original
+            w.add_rope_scaling_orig_ctx_len(original)
+            w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+            w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(TOKENS)
