@@ -42,12 +42,18 @@ ARCHS: dict[str, tuple[str, dict[str, Any], str]] = {
     "phi3": ("Phi3Config", dict(COMMON, rms_norm_eps=1e-5, pad_token_id=0, tie_word_embeddings=False), "phi3"),
     "phi3-longrope": ("Phi3Config", dict(COMMON, rms_norm_eps=1e-5, pad_token_id=0, tie_word_embeddings=False,
                                          rope_parameters=LONGROPE, original_max_position_embeddings=32), "phi3"),
+    "mixtral": ("MixtralConfig", dict(COMMON, rms_norm_eps=1e-6, num_local_experts=4, num_experts_per_tok=2,
+                                      tie_word_embeddings=False), "llama"),
+    "qwen2moe": ("Qwen2MoeConfig", dict(COMMON, rms_norm_eps=1e-6, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                        norm_topk_prob=False, tie_word_embeddings=False), "qwen2moe"),
     "gpt2": ("GPT2Config", dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                                 activation_function="gelu_new", bos_token_id=BOS, eos_token_id=EOS), "gpt2"),
 }
-LLAMA_FAMILY = ("llama", "llama3", "mistral")
+LLAMA_FAMILY = ("llama", "llama3", "mistral", "mixtral")
 GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-             "phi3": gguf.MODEL_ARCH.PHI3, "gpt2": gguf.MODEL_ARCH.GPT2}
+             "phi3": gguf.MODEL_ARCH.PHI3, "gpt2": gguf.MODEL_ARCH.GPT2,
+             "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE}
 
 
 def build(name: str, seed: int = 0) -> torch.nn.Module:
@@ -68,7 +74,7 @@ def build(name: str, seed: int = 0) -> torch.nn.Module:
             elif "embed" in pname or pname.endswith(("wte.weight", "wpe.weight")):
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if "wpe" in pname else 1.0))
             else:
-                fan_in = p.shape[0] if name == "gpt2" else p.shape[1]  # GPT-2's Conv1D is [in, out]
+                fan_in = p.shape[0] if name == "gpt2" else p.shape[-1]  # GPT-2's Conv1D is [in, out]
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / math.sqrt(fan_in)))
     return model
 
@@ -141,6 +147,13 @@ def write_gguf(model: torch.nn.Module, name: str, path: Path) -> Path:
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
             w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
             w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch == "qwen2moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(TOKENS)
@@ -156,9 +169,21 @@ def write_gguf(model: torch.nn.Module, name: str, path: Path) -> Path:
             continue  # tied: the table is the head
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")):
             continue  # GPT-2's causal-mask buffers in older checkpoints
+        values = tensor.detach().float().numpy().copy()
+        layer = hf_name.split(".")[2] if ".layers." in hf_name else ""
+        if hf_name.endswith("mlp.experts.gate_up_proj"):  # transformers' fused experts, gate first
+            half = values.shape[1] // 2
+            w.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(values[:, :half]))
+            w.add_tensor(f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(values[:, half:]))
+            continue
+        if hf_name.endswith("mlp.experts.down_proj"):
+            w.add_tensor(f"blk.{layer}.ffn_down_exps.weight", values)
+            continue
+        if hf_name.endswith("mlp.gate.weight"):  # the router
+            w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", values)
+            continue
         new = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert new is not None, f"no GGUF name for {hf_name}"
-        values = tensor.detach().float().numpy().copy()
         if gpt2 and values.ndim == 2 and ".h." in f".{hf_name}" and "c_" in hf_name:
             values = np.ascontiguousarray(values.T)  # Conv1D stores [in, out]
         if name in LLAMA_FAMILY and new.endswith("attn_q.weight"):

@@ -20,7 +20,7 @@ from torch import nn
 
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.models.config import ModelConfig
-from nextoken.models.layers import (GatedMLP, Linear, PlainMLP, RotaryEmbedding, SelfAttention, make_norm,
+from nextoken.models.layers import (GatedMLP, Linear, MoE, PlainMLP, RotaryEmbedding, SelfAttention, make_norm,
                                     rotary_rows)
 from nextoken.models.probe import FUSED_BLOCKS, MODULES, ForwardProbe
 from nextoken.ops import native
@@ -53,8 +53,14 @@ class DecoderBlock(nn.Module):
                                   o_bias=recipe.o_bias)
         self.post_attn_norm = make_norm(recipe.norm, cfg.hidden_size, eps) if recipe.sandwich else None
         self.pre_mlp_norm = make_norm(recipe.norm, cfg.hidden_size, eps)
-        self.mlp: nn.Module = GatedMLP(cfg.hidden_size, cfg.ffn_size, recipe.activation) if recipe.mlp == "gated" \
-            else PlainMLP(cfg.hidden_size, cfg.ffn_size, recipe.activation, recipe.mlp_bias)
+        if recipe.mlp == "moe":
+            self.mlp: nn.Module = MoE(cfg.hidden_size, cfg.expert_ffn_size, cfg.num_experts, cfg.experts_per_token,
+                                      recipe.activation, recipe.moe_renormalize,
+                                      cfg.shared_expert_ffn_size if recipe.shared_expert else 0)
+        elif recipe.mlp == "gated":
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.ffn_size, recipe.activation)
+        else:
+            self.mlp = PlainMLP(cfg.hidden_size, cfg.ffn_size, recipe.activation, recipe.mlp_bias)
         self.post_mlp_norm = make_norm(recipe.norm, cfg.hidden_size, eps) if recipe.sandwich else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: KVCacheLayer,

@@ -8,6 +8,7 @@ ModelLoadError naming the key.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +20,11 @@ from nextoken.models.gemma3 import GEMMA3
 from nextoken.models.gpt2 import GPT2
 from nextoken.models.llama import LLAMA
 from nextoken.models.phi3 import PHI3
-from nextoken.models.qwen2 import QWEN2
+from nextoken.models.qwen2 import QWEN2, QWEN2MOE
 from nextoken.models.qwen3 import QWEN3
 from nextoken.models.recipe import Family, Recipe, RopeConfig
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, GEMMA3, QWEN2, QWEN3, PHI3, GPT2)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, GEMMA3, QWEN2, QWEN2MOE, QWEN3, PHI3, GPT2)}
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 
 # Text of tokens that end a turn in the chat formats we know; the file's EOS id always ends generation too.
@@ -62,6 +63,12 @@ class ModelConfig:
     chat_template: str | None
     quantization: str
     num_parameters: int
+    # Mixture-of-experts layers (recipe.mlp "moe"): experts, how many each token takes, their and the shared
+    # expert's hidden sizes.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_size: int = 0
+    shared_expert_ffn_size: int = 0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -158,6 +165,19 @@ class ModelConfig:
             rope_local=None, sliding_window=window, layer_is_sliding=(window is not None,) * num_layers,
             query_scale=head_dim ** -0.5, embedding_scale=1.0, norm_eps=get(eps_key, 1e-6 if recipe.norm == "rms"
                                                                               else 1e-5, kind=float))
+        experts = get("expert_count", None)
+        if experts is not None:  # Mixtral is a Llama file with experts
+            recipe = dataclasses.replace(recipe, mlp="moe")
+            used = get("expert_used_count")
+            if used > experts:
+                raise ModelLoadError(gguf.path, f"{arch}.expert_used_count {used} exceeds {arch}.expert_count "
+                                                f"{experts}")
+            fields.update(num_experts=experts, experts_per_token=used,
+                          expert_ffn_size=get("expert_feed_forward_length", get("feed_forward_length")),
+                          shared_expert_ffn_size=get("expert_shared_feed_forward_length", 0)
+                          if recipe.shared_expert else 0)
+        elif recipe.mlp == "moe":
+            raise ModelLoadError(gguf.path, f"missing required metadata '{arch}.expert_count'")
         if family.configure is not None:
             family.configure(get, fields)
 

@@ -242,6 +242,63 @@ class PlainMLP(nn.Module):
         return out if self.down_bias is None else out + self.down_bias
 
 
+class Experts(nn.Module):
+    """The routed experts' gated MLPs, stacked as llama.cpp stores them: gate and up [experts, ffn, hidden], down
+    [experts, hidden, ffn]."""
+
+    def __init__(self, num_experts: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.empty(num_experts, ffn, hidden), requires_grad=False)
+        self.up = nn.Parameter(torch.empty(num_experts, ffn, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, ffn), requires_grad=False)
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts feed-forward layer: a router's softmax over the experts, each token's top `k` of them
+    (their weights renormalized to sum to 1 where the family does: Mixtral), each expert a gated MLP; plus, where the
+    family has one, a shared expert every token takes, scaled by sigmoid of its own gate (Qwen2-MoE).
+
+    A step's tokens are grouped by expert: one product per expert over all the rows that chose it, never a loop over
+    tokens. `last_choice` keeps the latest call's (experts, weights) per token for a tracer to show."""
+
+    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, activation: str, renormalize: bool,
+                 shared_ffn: int = 0) -> None:
+        super().__init__()
+        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.router = Linear(hidden, num_experts)
+        self.experts = Experts(num_experts, hidden, ffn)
+        self.act = F.silu if activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
+        self.shared = GatedMLP(hidden, shared_ffn, activation) if shared_ffn else None
+        self.shared_gate = Linear(hidden, 1) if shared_ffn else None
+        self.last_choice: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.router(x).float().softmax(dim=-1)  # [tokens, experts]
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # [tokens, k]
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        self.last_choice = (chosen, weights)
+        flat = chosen.reshape(-1)
+        order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        scale = weights.reshape(-1)
+        out = torch.zeros_like(x)
+        e = self.experts
+        start = 0
+        for expert, n in enumerate(counts):
+            if not n:
+                continue
+            pairs = order[start:start + n]
+            start += n
+            tokens = pairs // self.top_k
+            h = x[tokens]
+            y = F.linear(self.act(F.linear(h, e.gate[expert])) * F.linear(h, e.up[expert]), e.down[expert])
+            out.index_add_(0, tokens, y * scale[pairs, None])
+        if self.shared is not None and self.shared_gate is not None:
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
+
+
 class SelfAttention(nn.Module):
     """Causal (optionally sliding-window) grouped-query attention over the paged KV cache.
 

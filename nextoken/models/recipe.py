@@ -31,7 +31,9 @@ class Recipe:
     qkv_bias: bool = False  # biases on q, k and v
     o_bias: bool = False  # a bias on the attention's output projection
     qk_norm: bool = False  # RMSNorm of q and k per head, before RoPE
-    mlp: str = "gated"  # "gated": down(act(gate(x)) * up(x)) | "plain": down(act(up(x)))
+    mlp: str = "gated"  # "gated": down(act(gate(x)) * up(x)) | "plain": down(act(up(x))) | "moe": gated experts
+    moe_renormalize: bool = True  # the chosen experts' router weights rescaled to sum to 1 (Mixtral; not Qwen2-MoE)
+    shared_expert: bool = False  # beside the routed experts, one every token takes, scaled by its own sigmoid gate
     activation: str = "silu"  # "silu" | "gelu_tanh"
     mlp_bias: bool = False  # biases on the MLP's projections (plain MLPs)
     fused_qkv: bool = False  # the file holds q, k and v as one tensor (attn_qkv)
@@ -50,7 +52,7 @@ class Recipe:
         if self.qkv_bias or self.o_bias:
             gaps.append("attention biases")
         if self.mlp != "gated" or self.mlp_bias:
-            gaps.append("a plain MLP" if self.mlp == "plain" else "MLP biases")
+            gaps.append({"plain": "a plain MLP", "moe": "mixture-of-experts"}.get(self.mlp, "MLP biases"))
         return gaps
 
     def layer_tensors(self) -> dict[str, tuple[str, ...]]:
@@ -73,12 +75,20 @@ class Recipe:
             names["post_attn_norm.weight"] = ("post_attention_norm.weight",)
             names["post_mlp_norm.weight"] = ("post_ffw_norm.weight",)
         names["pre_mlp_norm.weight"] = ("ffn_norm.weight",)
-        if self.mlp == "gated":
+        if self.mlp == "moe":  # llama.cpp's stacked experts [experts, rows, cols]
+            names.update({"mlp.router.weight": ("ffn_gate_inp.weight",), "mlp.experts.gate": ("ffn_gate_exps.weight",),
+                          "mlp.experts.up": ("ffn_up_exps.weight",), "mlp.experts.down": ("ffn_down_exps.weight",)})
+            if self.shared_expert:
+                names.update({"mlp.shared.gate_up_proj.weight": ("ffn_gate_shexp.weight", "ffn_up_shexp.weight"),
+                              "mlp.shared.down_proj.weight": ("ffn_down_shexp.weight",),
+                              "mlp.shared_gate.weight": ("ffn_gate_inp_shexp.weight",)})
+        elif self.mlp == "gated":
             names["mlp.gate_up_proj.weight"] = ("ffn_up.weight",) if self.fused_gate_up else \
                 ("ffn_gate.weight", "ffn_up.weight")
+            names["mlp.down_proj.weight"] = ("ffn_down.weight",)
         else:
             names["mlp.up_proj.weight"] = ("ffn_up.weight",)
-        names["mlp.down_proj.weight"] = ("ffn_down.weight",)
+            names["mlp.down_proj.weight"] = ("ffn_down.weight",)
         if self.mlp_bias:
             names["mlp.up_bias"] = ("ffn_up.bias",)
             names["mlp.down_bias"] = ("ffn_down.bias",)

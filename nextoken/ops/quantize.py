@@ -89,7 +89,7 @@ def _projection(module: FileBacked, formats: WeightFormats, exact_types: tuple[G
     blocks are exactly its weight."""
     files = module.tensors["weight"]
     shape = (module.module.out_features, module.module.in_features)
-    if formats.quant is None:
+    if formats.quant is None or shape[1] % GROUP_SIZE:  # blocks group 32 inputs: other widths stay dense
         return _dense(module, formats.dtype, formats.device)
     if all(t.qtype in exact_types for t in files):
         return BlockLinear([_blocks(t, formats.quant, None) for t in files], None, shape)

@@ -56,7 +56,7 @@ class ModelCost:
         kv = config.num_kv_heads * config.head_dim
         per_layer = (config.hidden_size * (q + 2 * kv)  # qkv_proj
                      + q * config.hidden_size  # o_proj
-                     + (3 if config.recipe.mlp == "gated" else 2) * config.hidden_size * config.ffn_size)  # (gate), up, down
+                     + _ffn_params(config))
         block_params = config.num_layers * per_layer
         head_params = config.hidden_size * config.vocab_size
         return cls(config=config, block_params=block_params, head_params=head_params,
@@ -178,3 +178,13 @@ def machine_peaks(device: torch.device, dtype: torch.dtype, path: Path | None = 
     except OSError:
         pass  # a read-only cache only costs a new measurement next time
     return peaks
+
+
+def _ffn_params(config: ModelConfig) -> int:
+    """The feed-forward weights one token multiplies: gate (if gated), up and down; in a mixture of experts, the router
+    and the experts it takes (not the others), and the shared expert with its gate."""
+    h = config.hidden_size
+    if config.recipe.mlp == "moe":
+        return (h * config.num_experts + config.experts_per_token * 3 * h * config.expert_ffn_size
+                + (3 * h * config.shared_expert_ffn_size + h if config.shared_expert_ffn_size else 0))
+    return (3 if config.recipe.mlp == "gated" else 2) * h * config.ffn_size

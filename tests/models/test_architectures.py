@@ -104,7 +104,7 @@ def test_phi3_longrope_factors_past_the_original_context(tmp_path: Path) -> None
             assert abs(mine[token] - lp) < 1e-4, f"position {pos} token {token}: {mine[token]} vs {lp}"
 
 
-NATIVE = [n for n in NAMES if n not in ("qwen2", "gpt2")]
+NATIVE = [n for n in NAMES if n not in ("qwen2", "gpt2", "mixtral", "qwen2moe")]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -124,3 +124,26 @@ def test_the_fused_step_runs_every_recipe_it_covers(models: dict, name: str) -> 
         summary = summarize(llm, run)
         assert summary.native_gaps == gaps
         assert f"the native step has no {', '.join(gaps)}" in describe_paths(summary.paths, summary.native_gaps)
+
+
+def test_moe_cost_counts_the_experts_a_token_takes(models: dict) -> None:
+    from nextoken.trace.cost import ModelCost
+
+    llm = fp32_llm(models["mixtral"][1])
+    cfg = llm.model_config
+    assert (cfg.num_experts, cfg.experts_per_token, cfg.recipe.mlp) == (4, 2, "moe")
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attention = h * (q + 2 * kv) + q * h
+    assert ModelCost.from_config(cfg).block_params == cfg.num_layers * (
+        attention + h * 4 + 2 * 3 * h * cfg.expert_ffn_size)
+
+
+def test_moe_routes_each_token_to_its_top_experts(models: dict) -> None:
+    """The router's choice per token, kept for a tracer: k distinct experts, weights as the family scales them."""
+    for name, renormalized in (("mixtral", True), ("qwen2moe", False)):
+        llm = fp32_llm(models[name][1])
+        llm.generate([prompts(name)[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        chosen, weights = llm.engine.runner.model.layers[0].mlp.last_choice
+        assert chosen.shape[1] == 2 and bool((chosen[:, 0] != chosen[:, 1]).all())
+        sums = weights.sum(-1)
+        assert torch.allclose(sums, torch.ones_like(sums)) == renormalized
