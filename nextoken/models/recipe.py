@@ -49,8 +49,8 @@ class Recipe:
             gaps.append("LayerNorm")
         if self.positions != "rope":
             gaps.append("learned positions")
-        if self.qkv_bias or self.o_bias:
-            gaps.append("attention biases")
+        if self.o_bias:
+            gaps.append("an attention output bias")
         if self.mlp != "gated" or self.mlp_bias:
             gaps.append({"plain": "a plain MLP", "moe": "mixture-of-experts"}.get(self.mlp, "MLP biases"))
         return gaps

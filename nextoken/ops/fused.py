@@ -90,7 +90,8 @@ class FusedDecoder:
                 attn.sliding_window or 0, norms["attn_in"].eps, attn.scale, native.ACTIVATIONS[mlp.activation],
                 int(attn.rope.layout == "interleaved"), attn.rope.dim, self.ropes.index(attn.rope),
                 _norm(norms["attn_in"]), _norm(norms["attn_out"]), _norm(norms["mlp_in"]), _norm(norms["mlp_out"]),
-                _norm(attn.q_norm), _norm(attn.k_norm), *matrices))
+                _norm(attn.q_norm), _norm(attn.k_norm),
+                None if attn.qkv_bias is None else attn.qkv_bias.data_ptr(), *matrices))
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = (model.norm.weight, model.norm.eps)  # applied in the same native call
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None

@@ -87,6 +87,8 @@ int nt_decode_layers(float *x, int64_t M, const int64_t *positions, const int64_
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
         for (int64_t t = 0; t < M; t++) {
             float *row = big + t * qkv_n; /* q heads, k heads, v heads */
+            if (L->qkv_bias)
+                for (int64_t j = 0; j < qkv_n; j++) row[j] += L->qkv_bias[j];
             if (L->q_norm) nt_rms_norm(row, NULL, L->q_norm, row, H, D, L->eps);
             if (L->k_norm) nt_rms_norm(row + H * D, NULL, L->k_norm, row + H * D, KVH, D, L->eps);
             const int64_t half = L->rope_dim / 2;

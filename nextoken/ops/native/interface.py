@@ -84,13 +84,13 @@ class Matrix(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """One decoder block's shape, weights and norms (nt_layer); null norms are absent."""
+    """One decoder block's shape, weights and norms (nt_layer); null norms and biases are absent."""
 
     _fields_ = [("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64), ("ffn", _i64),
                 ("window", _i64), ("eps", _f32), ("scale", _f32), ("activation", _i64),
                 ("rope_interleaved", _i64), ("rope_dim", _i64), ("rope_table", _i64),
                 ("attn_in_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_in_norm", _ptr), ("mlp_out_norm", _ptr),
-                ("q_norm", _ptr), ("k_norm", _ptr),
+                ("q_norm", _ptr), ("k_norm", _ptr), ("qkv_bias", _ptr),
                 ("qkv", Matrix), ("o", Matrix), ("gate_up", Matrix), ("down", Matrix)]
 
 

@@ -95,6 +95,7 @@ typedef struct {
     int64_t rope_interleaved, rope_dim, rope_table; /* rope_table: which (cos, sin) pair of the call */
     /* Norms: before attention and the MLP (required); of their outputs and of q and k per head (optional). */
     const float *attn_in_norm, *attn_out_norm, *mlp_in_norm, *mlp_out_norm, *q_norm, *k_norm;
+    const float *qkv_bias; /* [qkv.n], added to the QKV projection's rows (optional) */
     nt_matrix qkv, o, gate_up, down;
 } nt_layer;
 

@@ -100,6 +100,7 @@ const nt_layout_entry *nt_layout(void) {
         {"nt_layer.mlp_out_norm", offsetof(nt_layer, mlp_out_norm)},
         {"nt_layer.q_norm", offsetof(nt_layer, q_norm)},
         {"nt_layer.k_norm", offsetof(nt_layer, k_norm)},
+        {"nt_layer.qkv_bias", offsetof(nt_layer, qkv_bias)},
         {"nt_layer.qkv", offsetof(nt_layer, qkv)},
         {"nt_layer.o", offsetof(nt_layer, o)},
         {"nt_layer.gate_up", offsetof(nt_layer, gate_up)},
