@@ -37,6 +37,8 @@ class StepRecord:
     mlp_s: list[float] = field(default_factory=list)
     block_s: list[float] = field(default_factory=list)
     sample: SampleRecord | None = None
+    # Mixture-of-experts layers: per layer, the experts the step's last token took and their weights (empty: none).
+    router: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     # A fused step re-run on the module path for its attention maps: how the two compare (None: not re-run).
     replay: Agreement | None = None
 
@@ -77,7 +79,18 @@ class PassRecorder(ForwardProbe):
                         layer.attn.register_forward_hook(self._timer_end(i, "attn_s", "attn")),
                         layer.mlp.register_forward_pre_hook(self._mark(f"mlp{i}")),
                         layer.mlp.register_forward_hook(self._timer_end(i, "mlp_s", f"mlp{i}"))]
+            if hasattr(layer.mlp, "last_choice"):  # a mixture of experts: its router's choice
+                handles.append(layer.mlp.register_forward_hook(self._router(i)))
         return handles
+
+    def _router(self, layer: int) -> Any:
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            step = self._recording()
+            if step is None or module.last_choice is None:
+                return
+            chosen, weights = module.last_choice
+            step.router[layer] = (chosen[-1].tolist(), weights[-1].float().tolist())
+        return hook
 
     def _recording(self) -> StepRecord | None:
         return None if self.paused else self.step

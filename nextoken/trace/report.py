@@ -177,6 +177,28 @@ def _blocks(console: Console, llm: Any, tracer: RecordingTracer, s: Summary) -> 
                        ms(dec["attn"][i] / decode_steps), ms(dec["mlp"][i] / decode_steps),
                        ms(dec["other"][i] / decode_steps))
     console.print(layers)
+    _router(console, llm, tracer)
+
+
+def _router(console: Console, llm: Any, tracer: RecordingTracer) -> None:
+    """A mixture of experts' choices: for each step's last row (the one that draws), each layer's experts and their
+    weights."""
+    steps = [s for s in tracer.steps if s.router]
+    if not steps:
+        return
+    layers = sorted(steps[0].router)
+    table = Table(title="router: the experts each step's last row took (expert x weight), per mixture-of-experts "
+                        "layer; that row's output drew the token shown", title_justify="left", show_edge=False)
+    table.add_column("step", justify="right")
+    table.add_column("drew")
+    for i in layers:
+        table.add_column(f"layer {i}")
+    for step in steps[:MAX_TOKEN_ROWS]:
+        token = step.sample.token_id if step.sample is not None else None
+        cells = [" ".join(f"{e}x{w:.2f}" for e, w in zip(*step.router[i])) if i in step.router else "-"
+                 for i in layers]
+        table.add_row(str(step.index), "-" if token is None else show_piece(llm.tokenizer, token), *cells)
+    console.print(table)
 
 
 def _output(console: Console, llm: Any, run: RunResult, s: Summary, tracer: RecordingTracer, top_k: int) -> None:

@@ -147,3 +147,24 @@ def test_moe_routes_each_token_to_its_top_experts(models: dict) -> None:
         assert chosen.shape[1] == 2 and bool((chosen[:, 0] != chosen[:, 1]).all())
         sums = weights.sum(-1)
         assert torch.allclose(sums, torch.ones_like(sums)) == renormalized
+
+
+def test_trace_shows_each_tokens_router_choice(models: dict) -> None:
+    from rich.console import Console
+
+    from nextoken.trace.report import print_report
+
+    llm = fp32_llm(models["mixtral"][1])
+    tracer = RecordingTracer(top_k=5)
+    run = run_request(llm, "the cat", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), tracer=tracer)
+    steps = [s for s in tracer.steps if s.router]
+    assert len(steps) == 4 and all(sorted(s.router) == [0, 1] for s in steps)
+    for step in steps:
+        for experts, weights in step.router.values():
+            assert len(set(experts)) == 2 and abs(sum(weights) - 1) < 1e-5
+    console = Console(record=True, width=200)
+    print_report(console, llm, run, summarize(llm, run), 5)
+    text = console.export_text()
+    assert "router: the experts each step's last row took" in text
+    experts, weights = steps[-1].router[1]
+    assert f"{experts[0]}x{weights[0]:.2f} {experts[1]}x{weights[1]:.2f}" in text
