@@ -56,12 +56,13 @@ GGUF_ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qw
              "qwen2moe": gguf.MODEL_ARCH.QWEN2MOE}
 
 
-def build(name: str, seed: int = 0) -> torch.nn.Module:
-    """The transformers model of architecture `name`, fp32, eval mode, with weights drawn by `seed`."""
+def build(name: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The transformers model of architecture `name`, fp32, eval mode, with weights drawn by `seed`; `overrides`
+    change its configuration (a larger shape for a benchmark)."""
     import transformers
 
     cls, kwargs, _ = ARCHS[name]
-    config = getattr(transformers, cls)(**kwargs)
+    config = getattr(transformers, cls)(**{**kwargs, **overrides})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
