@@ -164,6 +164,42 @@ def cmd_detokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Answer:
+    """An answer streamed to the terminal: a reasoning model's thinking section dimmed where stdout is a terminal, its
+    parts kept apart (`reasoning`, `content`)."""
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, thinks: bool, prompt_text: str | None, echo: bool = True) -> None:
+        from nextoken.engine.reasoning import ReasoningSplitter, opened_by_prompt
+
+        self.splitter = ReasoningSplitter(opened_by_prompt(prompt_text)) if thinks else None
+        self.echo, self.dim = echo, sys.stdout.isatty()
+        self.reasoning, self.content = "", ""
+
+    def add(self, text: str, finished: bool = False) -> None:
+        if self.splitter is None:
+            self.content += text
+            self._write(text)
+            return
+        reasoning, content = self.splitter.feed(text)
+        if finished:
+            more = self.splitter.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        if reasoning:
+            self._write(f"{self.DIM}{reasoning}{self.RESET}" if self.dim else reasoning)
+        if content and not self.content and self.reasoning:
+            self._write("\n\n")  # the thinking and the answer apart
+        self.reasoning += reasoning
+        self.content += content
+        self._write(content)
+
+    def _write(self, text: str) -> None:
+        if self.echo and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from nextoken.engine.inputs import Chat
     from nextoken.llm import LLM, request_timings
@@ -172,13 +208,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = _sampling_params(args, prompt_logprobs=args.prompt_logprobs)
     llm = LLM(args.model, **_engine_options(args))
     # --raw: the text as it is, the user's own (its special-token text control tokens); else one chat turn.
-    prepared = llm.inputs.process(prompt if args.raw else Chat.turn(prompt, args.system), params, special_tokens=True)
+    chat = Chat.turn(prompt, args.system)
+    if args.no_thinking:
+        chat = Chat(chat.messages, template_kwargs={"enable_thinking": False})
+    prepared = llm.inputs.process(prompt if args.raw else chat, params, special_tokens=True)
     ids = prepared.prompt_ids
+    show = _Answer(llm.inputs.thinks and not args.raw, prepared.text, echo=not args.json)
     text, token_ids, last = [], [], None
     for out in llm.stream(ids, prepared.params[0]):
-        if not args.json:
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
+        show.add(out.new_text, finished=out.finished)
         text.append(out.new_text)
         token_ids.extend(out.new_token_ids)
         last = out
@@ -188,6 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         result: dict[str, Any] = {
             "model": args.model, "prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(text),
             "finish_reason": req.finish_reason,
+            **({"reasoning_content": show.reasoning, "content": show.content} if show.splitter else {}),
             "usage": {"prompt_tokens": len(ids), "completion_tokens": len(token_ids),
                       "total_tokens": len(ids) + len(token_ids)},
             "timings": request_timings(req),
@@ -223,14 +262,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line.strip() in ("/exit", "/quit"):
             return 0
         messages.append({"role": "user", "content": line})
-        prepared = llm.inputs.process(Chat(messages), params)
-        reply = []
+        kwargs = {"enable_thinking": False} if args.no_thinking else {}
+        prepared = llm.inputs.process(Chat(messages, template_kwargs=kwargs), params)
+        show = _Answer(llm.inputs.thinks, prepared.text)
         for out in llm.stream(prepared.prompt_ids, prepared.params[0]):
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
-            reply.append(out.new_text)
+            show.add(out.new_text, finished=out.finished)
         print()
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        # The history keeps the answers, not their thinking (as reasoning models' templates expect).
+        messages.append({"role": "assistant", "content": show.content})
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -280,12 +319,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
                    help="with --json: the top-K next-token log-probabilities at every prompt position")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
+    p.add_argument("--no-thinking", action="store_true",
+                   help="a reasoning model answers without its thinking section (the template's enable_thinking)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)")
     _add_engine(p)
     _add_sampling(p)
     p.add_argument("--system", default=None)
+    p.add_argument("--no-thinking", action="store_true", help="as for run")
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("models", help="list the known models and whether they are installed")

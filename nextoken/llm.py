@@ -16,6 +16,7 @@ from typing import Any
 from nextoken.config import EngineConfig
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine.inputs import Chat, PreparedPrompt, prompt_list
+from nextoken.engine.reasoning import opened_by_prompt, split
 from nextoken.engine.request import Request, RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.sampling_params import SamplingParams
@@ -33,6 +34,9 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # A reasoning model's chat: the thinking section (None where the answer has none) and the rest of the text.
+    reasoning: str | None = None
+    content: str | None = None
 
 
 @dataclass
@@ -110,11 +114,20 @@ class LLM:
                          params, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
-             use_tqdm: bool | None = None) -> list[GenerationOutput]:
+             use_tqdm: bool | None = None, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[GenerationOutput]:
+        """Conversations through the chat template (`chat_template_kwargs`: more template variables, as Qwen3's
+        {"enable_thinking": False}); a reasoning model's completions carry `reasoning` and `content` apart."""
         params = params or SamplingParams()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self._run([self.inputs.process(Chat(list(c)), params) for c in conversations],  # type: ignore[arg-type]
-                         params, use_tqdm)
+        prepared = [self.inputs.process(Chat(list(c), template_kwargs=chat_template_kwargs or {}), params)
+                    for c in conversations]  # type: ignore[arg-type]
+        results = self._run(prepared, params, use_tqdm)
+        if self.inputs.thinks:
+            for result in results:
+                for completion in result.outputs:
+                    completion.reasoning, completion.content = split(completion.text, opened_by_prompt(result.prompt))
+        return results
 
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request, yielding its RequestOutput after every step; aborts it if the caller stops early."""

@@ -15,12 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nextoken.engine.reasoning import thinks
 from nextoken.errors import InvalidInput, PromptTooLong
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat import ChatTemplate
 from nextoken.tokenizer.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]  # text, or token ids
+# Template variables the input processor sets itself.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Chat:
 
     messages: Sequence[Mapping[str, Any]]
     add_generation_prompt: bool = True
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # more template variables: enable_thinking...
 
     @classmethod
     def turn(cls, content: str, system: str | None = None) -> Chat:
@@ -82,11 +86,21 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.limits = limits
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-                    ) -> tuple[str, list[int]]:
-        """Messages -> (prompt text, token ids), special tokens parsed only where the template wrote them."""
+    @property
+    def thinks(self) -> bool:
+        """Whether the model's answers may hold a thinking section (engine/reasoning.py)."""
+        return thinks(self.chat_template.source)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list[int]]:
+        """Messages -> (prompt text, token ids), special tokens parsed only where the template wrote them;
+        `template_kwargs` become template variables (Qwen3's enable_thinking), never overriding the messages."""
+        extra = dict(template_kwargs or {})
+        reserved = sorted(set(extra) & RESERVED_TEMPLATE_VARIABLES)
+        if reserved:
+            raise InvalidInput(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         text, spans = self.chat_template.render_with_spans([dict(m) for m in messages],
-                                                           add_generation_prompt=add_generation_prompt)
+                                                           add_generation_prompt=add_generation_prompt, **extra)
         return text, self.tokenizer.encode(text, add_special_tokens=False, plain_spans=spans)
 
     def encode(self, text: str, *, special_tokens: bool = False, add_special_tokens: bool = True) -> list[int]:
@@ -113,7 +127,7 @@ class InputProcessor:
                    ) -> tuple[str | None, list[int]]:
         """(text, ids) of a chat (rendered), a text prompt or token ids (checked against the vocabulary)."""
         if isinstance(prompt, Chat):
-            return self.render_chat(prompt.messages, prompt.add_generation_prompt)
+            return self.render_chat(prompt.messages, prompt.add_generation_prompt, prompt.template_kwargs)
         if isinstance(prompt, str):
             return prompt, self.encode(prompt, special_tokens=special_tokens, add_special_tokens=add_special_tokens)
         return None, self.check_ids(prompt)

@@ -133,7 +133,8 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
         if body.messages is not None:
             messages = body.messages
             add_prompt = body.add_generation_prompt is not False
-            ids = await asyncio.to_thread(render_messages, llm_engine, messages, add_prompt)
+            _, ids = await asyncio.to_thread(render_messages, llm_engine, messages, add_prompt,
+                                             body.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(encode_prompt, llm_engine, body.prompt or "", body.add_special_tokens
                                           is not False, bool(body.special_tokens))

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from nextoken.engine.async_engine import SubRequest
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine.inputs import choices, prompt_list
+from nextoken.engine.reasoning import ReasoningSplitter, opened_by_prompt
 from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.server.errors import ApiError, api_error_from
@@ -55,15 +56,18 @@ class Job:
     stream: bool
     include_usage: bool
     logprobs: int | None
+    # A reasoning model's chat: per prompt, whether its rendered text leaves a thinking section open (None: answers
+    # are all content).
+    thinking: list[bool] | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
 
 
-def render_messages(engine: LLMEngine, messages: Sequence[ChatMessage], add_generation_prompt: bool = True
-                    ) -> list[int]:
-    """Chat messages -> prompt ids (the input processor's render: contents stay plain text)."""
+def render_messages(engine: LLMEngine, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """Chat messages -> (prompt text, ids) (the input processor's render: contents stay plain text)."""
     try:
-        return engine.inputs.render_chat([m.model_dump() for m in messages], add_generation_prompt)[1]
+        return engine.inputs.render_chat([m.model_dump() for m in messages], add_generation_prompt, template_kwargs)
     except NextokenError as exc:
         raise api_error_from(exc, param="messages") from None
 
@@ -77,19 +81,22 @@ def encode_prompt(engine: LLMEngine, text: str, add_special_tokens: bool, specia
         raise api_error_from(exc, param="prompt") from None
 
 
-def _prompts(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
-    """The request's prompts as ids, each through the input processor."""
+def _prompts(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest
+             ) -> tuple[list[list[int]], list[bool] | None]:
+    """The request's prompts as ids, each through the input processor; for a reasoning model's chat, whether each
+    prompt leaves a thinking section open (else None)."""
     if isinstance(request, ChatCompletionRequest):
         if not request.messages:
             raise ApiError(400, "messages is empty", param="messages")
-        return [render_messages(engine, request.messages)]
+        text, ids = render_messages(engine, request.messages, template_kwargs=request.chat_template_kwargs)
+        return [ids], [opened_by_prompt(text)] if engine.inputs.thinks else None
     items = prompt_list(request.prompt)
     if not items:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if len(items) > MAX_PROMPTS:
         raise ApiError(400, f"{len(items)} prompts in one request; the limit is {MAX_PROMPTS}", param="prompt")
     try:
-        return [engine.inputs.prompt_ids(item, special_tokens=bool(request.special_tokens))[1] for item in items]
+        return [engine.inputs.prompt_ids(item, special_tokens=bool(request.special_tokens))[1] for item in items], None
     except NextokenError as exc:
         raise api_error_from(exc, param="prompt") from None
 
@@ -97,7 +104,7 @@ def _prompts(engine: LLMEngine, request: CompletionRequest | ChatCompletionReque
 def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest, kind: Kind) -> Job:
     """Validate and tokenize; raises ApiError naming the parameter at fault."""
     prompt_param = "messages" if kind == "chat" else "prompt"
-    prompts = _prompts(engine, request)
+    prompts, thinking = _prompts(engine, request)
     inputs = engine.inputs
     try:
         inputs.check_stop_token_ids(request.stop_token_ids or ())
@@ -122,7 +129,7 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Job(kind=kind, response_id=response_id, model=engine.model_name, prompts=prompts, n=n,
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
-               logprobs=subrequests[0].params.logprobs)
+               logprobs=subrequests[0].params.logprobs, thinking=thinking)
 
 
 @dataclass
@@ -132,6 +139,10 @@ class _Choice:
     finish_reason: str | None = None
     first_token_at: float | None = None
     token_logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
+    splitter: ReasoningSplitter | None = None  # a reasoning model's: the thinking section apart from the content
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    last_split: tuple[str, str] = ("", "")  # the latest output's (reasoning, content)
 
 
 class Choices:
@@ -141,18 +152,36 @@ class Choices:
         self.job = job
         self.engine = engine
         self.choices = [_Choice() for _ in job.requests]
+        if job.thinking is not None:
+            for i, choice in enumerate(self.choices):
+                choice.splitter = ReasoningSplitter(job.thinking[i // job.n])
 
     def add(self, index: int, out: RequestOutput) -> None:
         choice = self.choices[index]
         if choice.first_token_at is None and out.new_token_ids:
             choice.first_token_at = time.perf_counter()
         choice.text.append(out.new_text)
+        if choice.splitter is not None:
+            reasoning, content = choice.splitter.feed(out.new_text)
+            if out.finished:
+                more = choice.splitter.finish()
+                reasoning, content = reasoning + more[0], content + more[1]
+            choice.reasoning.append(reasoning)
+            choice.content.append(content)
+            choice.last_split = (reasoning, content)
         choice.num_tokens = out.num_output_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason
         if self.job.logprobs is not None:
             for token_id, (chosen, top) in zip(out.new_token_ids, out.new_logprobs):
                 choice.token_logprobs.append((token_id, chosen, top))
+
+    @staticmethod
+    def _message(choice: _Choice) -> AssistantMessage:
+        if choice.splitter is None:
+            return AssistantMessage(content="".join(choice.text))
+        return AssistantMessage(content="".join(choice.content),
+                                reasoning_content="".join(choice.reasoning) if choice.splitter.opened else None)
 
     def usage(self) -> Usage:
         prompt = sum(len(ids) for ids in self.job.prompts)
@@ -162,12 +191,15 @@ class Choices:
     def response(self) -> dict[str, Any]:
         job = self.job
         if job.kind == "chat":
-            return ChatCompletionResponse(
+            body = ChatCompletionResponse(
                 id=job.response_id, created=job.created, model=job.model, usage=self.usage(),
-                choices=[ChatChoice(index=i, message=AssistantMessage(content="".join(c.text)),
-                                    logprobs=self._chat_logprobs(c.token_logprobs),
+                choices=[ChatChoice(index=i, message=self._message(c), logprobs=self._chat_logprobs(c.token_logprobs),
                                     finish_reason=c.finish_reason) for i, c in enumerate(self.choices)]
             ).model_dump()
+            for choice in body["choices"]:  # other models' messages carry no reasoning field
+                if choice["message"]["reasoning_content"] is None:
+                    del choice["message"]["reasoning_content"]
+            return body
         return CompletionResponse(
             id=job.response_id, created=job.created, model=job.model, usage=self.usage(),
             choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
@@ -186,12 +218,15 @@ class Choices:
         """The chunk for one output (after `add`), or None when it carries nothing to show yet."""
         num_new = len(out.new_token_ids)
         entries = self.choices[index].token_logprobs[-num_new:] if self.job.logprobs is not None and num_new else []
-        if not out.new_text and not out.finished and not entries:
-            return None  # text held back (a possible stop string, half a character): nothing to send yet
+        choice = self.choices[index]
+        reasoning, content = choice.last_split if choice.splitter is not None else ("", out.new_text)
+        if not reasoning and not content and not out.finished and not entries:
+            return None  # text held back (a possible stop string or marker, half a character): nothing to send yet
         reason = out.finish_reason if out.finished else None
         if self.job.kind == "chat":
-            return self._chunk([ChatChunkChoice(index=index, delta=Delta(content=out.new_text),
-                                                logprobs=self._chat_logprobs(entries), finish_reason=reason)])
+            delta = Delta(content=content if content or not reasoning else None, reasoning_content=reasoning or None)
+            return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._chat_logprobs(entries),
+                                                finish_reason=reason)])
         chunk = CompletionResponse(id=self.job.response_id, created=self.job.created, model=self.job.model,
                                    choices=[CompletionChoice(index=index, text=out.new_text, finish_reason=reason,
                                                              logprobs=self._completion_logprobs(entries))])

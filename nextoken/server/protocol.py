@@ -115,6 +115,8 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Int | None = None
     logprobs: bool | None = None
     top_logprobs: Int | None = None
+    # Extension (vLLM's): more variables for the chat template, as Qwen3's {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -139,8 +141,11 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None  # prompt only; default true (the model file's BOS/EOS rules)
     add_generation_prompt: bool | None = None  # messages only; default true
     special_tokens: bool | None = None  # prompt only; default false (see CompletionRequest)
+    chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None  # messages only
 
     def check(self) -> None:
+        if self.prompt is not None and self.chat_template_kwargs is not None:
+            raise ApiError(400, "chat_template_kwargs applies to messages only", param="chat_template_kwargs")
         if (self.prompt is None) == (self.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if self.messages is not None and self.add_special_tokens is not None:
@@ -214,6 +219,7 @@ class ChatLogprobs(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # a reasoning model's thinking section (absent for other models)
 
 
 class ChatChoice(_Response):
@@ -235,6 +241,7 @@ class ChatCompletionResponse(_Response):
 class Delta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(_Response):

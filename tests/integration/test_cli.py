@@ -153,3 +153,18 @@ def test_chat_keeps_the_conversation() -> None:
     replies = [line for line in out.stdout.splitlines() if line.strip()]
     assert len(replies) == 2
     assert "Zorblax" in replies[1]
+
+
+def test_run_keeps_a_reasoning_models_thinking_apart(tmp_path: Path) -> None:
+    """The thinking section (dimmed on a terminal) apart from the answer in --json; --no-thinking reaches the
+    template (tests/thinker.py always answers <think>ab</think>cd)."""
+    from tests.thinker import write_thinker
+
+    model = str(write_thinker(tmp_path / "thinker.gguf"))
+    args = ("run", "--model", model, "--weights", "fp32", "--temperature", "0", "--max-tokens", "20", "--json", "hi")
+    out = json.loads(nextoken(*args).stdout)
+    assert (out["text"], out["reasoning_content"], out["content"]) == ("<think>ab</think>cd", "ab", "cd")
+    off = json.loads(nextoken(*args, "--no-thinking").stdout)
+    assert off["usage"]["prompt_tokens"] == out["usage"]["prompt_tokens"] + 6
+    plain = nextoken(*args[:-2], "hi")
+    assert plain.returncode == 0 and plain.stdout == "ab\n\ncd\n"  # piped: no escape codes
