@@ -233,6 +233,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         }
         if args.prompt_logprobs is not None:
             result["prompt_logprobs"] = [[[i, lp] for i, lp in row] for row in req.prompt_logprobs]
+            # Each prompt token's own [log p, rank] given those before it (null for the first).
+            result["prompt_token_logprobs"] = [None if e is None else [e[0], e[1]] for e in req.prompt_token_logprobs]
         print(json.dumps(result, ensure_ascii=False))
     else:
         print()
@@ -270,6 +272,47 @@ def cmd_chat(args: argparse.Namespace) -> int:
         print()
         # The history keeps the answers, not their thinking (as reasoning models' templates expect).
         messages.append({"role": "assistant", "content": show.content})
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from nextoken.llm import LLM
+
+    if args.file == "-":
+        text = _read_text(None, "text")
+    else:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise NextokenError(f"cannot read {args.file}: {exc.strerror if isinstance(exc, OSError) else exc}") \
+                from None
+    llm = LLM(args.model, **_engine_options(args))
+    bar: Any = None
+    if not args.json and sys.stderr.isatty():
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bar = Progress(TextColumn("perplexity {task.fields[ppl]}"), BarColumn(), MofNCompleteColumn(),
+                       TextColumn("windows"), TimeElapsedColumn(), transient=True)
+        bar.start()
+        task = bar.add_task("score", total=None, ppl="-")
+
+    def progress(result: Any, done: int, total: int) -> None:
+        if bar is not None:
+            bar.update(task, total=total, completed=done, ppl=f"{result.value:.4f}")
+
+    try:
+        result = llm.perplexity(text, context=args.context, stride=args.stride, progress=progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+    if args.json:
+        print(json.dumps({"model": args.model, "perplexity": result.value, "tokens": result.tokens,
+                          "scored": result.scored, "nll": result.nll, "windows": result.windows}))
+    else:
+        print(f"perplexity {result.value:.4f} over {result.scored} tokens ({result.windows} windows; mean "
+              f"negative log-likelihood {result.nll / max(result.scored, 1):.4f} nats)")
+    return 0
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -317,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message for the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
-                   help="with --json: the top-K next-token log-probabilities at every prompt position")
+                   help="with --json: the top-K next-token log-probabilities at every prompt position, and each "
+                        "prompt token's own log-probability and rank")
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
     p.add_argument("--no-thinking", action="store_true",
                    help="a reasoning model answers without its thinking section (the template's enable_thinking)")
@@ -329,6 +373,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None)
     p.add_argument("--no-thinking", action="store_true", help="as for run")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("perplexity", help="score a text file: the model's perplexity on it, in windows")
+    p.add_argument("file", help="a UTF-8 text file ('-': standard input)")
+    _add_engine(p)
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="tokens per window (default: the context length, at most 1024)")
+    p.add_argument("--stride", type=int, default=None, metavar="S",
+                   help="tokens between the starts of two windows (default: half a window)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_perplexity)
 
     p = sub.add_parser("models", help="list the known models and whether they are installed")
     p.add_argument("--json", action="store_true")

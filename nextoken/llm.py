@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,8 +17,9 @@ from nextoken.config import EngineConfig
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine.inputs import Chat, PreparedPrompt, prompt_list
 from nextoken.engine.reasoning import opened_by_prompt, split
+from nextoken.engine.scoring import Perplexity, perplexity
 from nextoken.engine.request import Request, RequestOutput
-from nextoken.errors import NextokenError
+from nextoken.errors import InvalidInput, NextokenError
 from nextoken.sampling_params import SamplingParams
 
 Prompt = str | list[int]  # text, or token ids
@@ -48,7 +49,9 @@ class GenerationOutput:
     prompt_token_ids: list[int]
     outputs: list[Completion]
     timings: dict[str, float | None]
-    prompt_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[tuple[int, float]]] | None = None  # per position: the top-K after it
+    # Per position: (log p of the prompt's own token there, its rank); None at position 0. With prompt_logprobs.
+    prompt_token_logprobs: list[tuple[float, int] | None] | None = None
     usage: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -129,6 +132,24 @@ class LLM:
                     completion.reasoning, completion.content = split(completion.text, opened_by_prompt(result.prompt))
         return results
 
+    def perplexity(self, text: str, *, context: int | None = None, stride: int | None = None,
+                   progress: Callable[[Perplexity, int, int], None] | None = None) -> Perplexity:
+        """The model's perplexity on `text` (with the file's BOS rule), scored in windows of `context` tokens
+        (default: the context length, at most 1024) starting `stride` apart (default: half a window); see
+        engine/scoring.py."""
+        ids = self.inputs.encode(text, special_tokens=True)
+        context = context or min(self.engine.max_model_len, 1024)
+        if context > self.engine.max_model_len:
+            raise InvalidInput(f"a window of {context} tokens exceeds the context length {self.engine.max_model_len}",
+                               "context")
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+        def score(windows: list[list[int]]) -> list[list[float | None]]:
+            outs = self.generate(windows, params, use_tqdm=False)
+            return [[None if e is None else e[0] for e in out.prompt_token_logprobs or []] for out in outs]
+
+        return perplexity(ids, context, stride or max(1, context // 2), score, progress=progress)
+
     def stream(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Run one request, yielding its RequestOutput after every step; aborts it if the caller stops early."""
         params = params or SamplingParams()
@@ -198,6 +219,7 @@ class LLM:
                 request_id=first.request_id, prompt=prompt.text, prompt_token_ids=ids, outputs=completions,
                 timings=request_timings(first),
                 prompt_logprobs=first.prompt_logprobs if params.prompt_logprobs is not None else None,
+                prompt_token_logprobs=first.prompt_token_logprobs if params.prompt_logprobs is not None else None,
                 usage={"prompt_tokens": len(ids), "completion_tokens": num_out, "total_tokens": len(ids) + num_out},
             ))
         return results

@@ -198,8 +198,12 @@ class LLMEngine:
                 row, count, first_pos = span
                 # After a preemption the prompt is recomputed: keep only positions not reported yet.
                 skip = max(0, len(req.prompt_logprobs) - first_pos)
-                req.prompt_logprobs.extend(_top_logprobs(logits[row + skip:row + count],
-                                                         req.params.prompt_logprobs or 0))
+                top, actual = _prompt_logprobs(logits[row + skip:row + count], req.prompt_ids,
+                                               first_pos + skip, req.params.prompt_logprobs or 0)
+                req.prompt_logprobs.extend(top)
+                if not req.prompt_token_logprobs:
+                    req.prompt_token_logprobs.append(None)  # the first token: nothing before it to predict it
+                req.prompt_token_logprobs.extend(actual)
             if i not in token_for or result is None:
                 continue
             k = token_for[i]
@@ -275,9 +279,21 @@ class LLMEngine:
             new_logprobs=[logprob] if logprob is not None else [], request=req)
 
 
-def _top_logprobs(logits: torch.Tensor, k: int) -> list[list[tuple[int, float]]]:
+def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], first: int, k: int
+                     ) -> tuple[list[list[tuple[int, float]]], list[tuple[float, int]]]:
+    """Rows of prompt positions first.. (row j: the distribution after position first + j) -> each row's top-k
+    (id, log p), and for the rows whose next token is in the prompt, that token's (log p, rank): the teacher-forced
+    scores a perplexity is made of. One batched pass over the rows, no loop over the vocabulary."""
     if logits.shape[0] == 0:
-        return []
-    top = logits.log_softmax(dim=-1).topk(max(k, 1), dim=-1)
+        return [], []
+    logp = logits.float().log_softmax(dim=-1)
+    top = logp.topk(max(k, 1), dim=-1)
     ids, vals = top.indices[:, :k].tolist(), top.values[:, :k].tolist()
-    return [list(zip(i, v)) for i, v in zip(ids, vals)]
+    known = min(logp.shape[0], len(prompt_ids) - 1 - first)  # rows whose next token is a prompt token
+    actual: list[tuple[float, int]] = []
+    if known > 0:
+        nxt = torch.tensor(prompt_ids[first + 1:first + 1 + known], device=logp.device)
+        chosen = logp[:known].gather(1, nxt[:, None])  # [known, 1]
+        ranks = (logp[:known] > chosen).sum(dim=-1) + 1
+        actual = list(zip(chosen[:, 0].tolist(), ranks.tolist()))
+    return [list(zip(i, v)) for i, v in zip(ids, vals)], actual

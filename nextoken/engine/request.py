@@ -53,6 +53,9 @@ class Request:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
         self.prompt_logprobs: list[list[tuple[int, float]]] = []  # per prompt position, when asked
+        # Per prompt position i >= 1, when prompt_logprobs is asked: (log p of token i given those before it, its
+        # rank among all tokens, 1 = the most likely); position 0 has none (nothing before it).
+        self.prompt_token_logprobs: list[tuple[float, int] | None] = []
 
     @property
     def num_tokens(self) -> int:

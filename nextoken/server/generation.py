@@ -59,6 +59,7 @@ class Job:
     # A reasoning model's chat: per prompt, whether its rendered text leaves a thinking section open (None: answers
     # are all content).
     thinking: list[bool] | None = None
+    echo: bool = False  # completions: the prompt before each choice's text (and its scores, with logprobs)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -129,7 +130,8 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Job(kind=kind, response_id=response_id, model=engine.model_name, prompts=prompts, n=n,
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
-               logprobs=subrequests[0].params.logprobs, thinking=thinking)
+               logprobs=subrequests[0].params.logprobs, thinking=thinking,
+               echo=isinstance(request, CompletionRequest) and bool(request.echo))
 
 
 @dataclass
@@ -143,6 +145,7 @@ class _Choice:
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     last_split: tuple[str, str] = ("", "")  # the latest output's (reasoning, content)
+    echoed: bool = False  # its prompt was sent (echo)
 
 
 class Choices:
@@ -160,6 +163,13 @@ class Choices:
         choice = self.choices[index]
         if choice.first_token_at is None and out.new_token_ids:
             choice.first_token_at = time.perf_counter()
+        if self.job.echo and not choice.text:  # the first output: the prompt comes first
+            ids = self.job.prompts[index // self.job.n]
+            choice.text.append(self.engine.tokenizer.decode(ids))
+            if self.job.logprobs is not None and out.request is not None:
+                req = out.request
+                for token_id, actual, top in zip(ids, req.prompt_token_logprobs, [None, *req.prompt_logprobs]):
+                    choice.token_logprobs.append((token_id, None if actual is None else actual[0], top))
         choice.text.append(out.new_text)
         if choice.splitter is not None:
             reasoning, content = choice.splitter.feed(out.new_text)
@@ -217,8 +227,14 @@ class Choices:
     def delta_chunk(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         """The chunk for one output (after `add`), or None when it carries nothing to show yet."""
         num_new = len(out.new_token_ids)
-        entries = self.choices[index].token_logprobs[-num_new:] if self.job.logprobs is not None and num_new else []
         choice = self.choices[index]
+        if self.job.echo and not choice.echoed:  # the echoed prompt rides on the first chunk
+            choice.echoed = True
+            num_new += len(self.job.prompts[index // self.job.n]) if self.job.logprobs is not None else 0
+            out = RequestOutput(out.request_id, out.new_token_ids, choice.text[0] + out.new_text, out.finished,
+                                out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, out.new_logprobs,
+                                out.request)
+        entries = choice.token_logprobs[-num_new:] if self.job.logprobs is not None and num_new else []
         reasoning, content = choice.last_split if choice.splitter is not None else ("", out.new_text)
         if not reasoning and not content and not out.finished and not entries:
             return None  # text held back (a possible stop string or marker, half a character): nothing to send yet
@@ -280,5 +296,6 @@ class Choices:
             offsets.append(offset)
             offset += len(text)
         return CompletionLogprobs(tokens=tokens, token_logprobs=[chosen for _, chosen, _ in entries],
-                                  top_logprobs=[{self._piece(i)[0]: lp for i, lp in top} for _, _, top in entries],
+                                  top_logprobs=[None if top is None else {self._piece(i)[0]: lp for i, lp in top}
+                                                for _, _, top in entries],
                                   text_offset=offsets)

@@ -2,7 +2,7 @@
 /tokenize and /detokenize.
 
 Request models are strict and closed: a field nextoken does not implement (tools, response_format, logit_bias,
-best_of, echo, suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
+best_of, suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
 (no "5" for 5). `user` is accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on
 generation, and nextoken neither uses nor logs it. Extensions beyond OpenAI's fields, with vLLM's names: top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids; and special_tokens (a text prompt's special-token text as
@@ -12,6 +12,7 @@ control tokens, off by default). Ranges are checked by SamplingParams, which nam
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -102,12 +103,19 @@ class _GenerationRequest(_Request):
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     logprobs: Int | None = None
+    echo: bool | None = None  # the prompt before the completion, with its tokens' log-probabilities when asked
     # Extension: whether special-token text in a text prompt ("<|im_end|>") becomes control tokens. Default false:
     # a raw prompt is text, as chat contents are; token-id prompts are taken as they are either way.
     special_tokens: bool | None = None
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, seed)
+        if self.echo and self.logprobs is not None:  # the prompt's own scores, from the same forward pass
+            params = replace(params, prompt_logprobs=self.logprobs)
+        return params
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -181,8 +189,8 @@ class Usage(_Response):
 
 class CompletionLogprobs(_Response):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -147,3 +147,26 @@ def test_32_concurrent_streams_match_their_greedy_output_alone(server: ServerPro
 
     asyncio.run(run())
     wait_idle(server)
+
+
+def test_echo_scores_the_prompt(client: openai.OpenAI, server: ServerProcess) -> None:
+    """echo with logprobs, as OpenAI's legacy completions: the prompt's text and tokens first, each token's own
+    log-probability given those before it (none for the first) and the top alternatives there; then the answer."""
+    prompt = [5, 9, 17, 33, 65, 129]
+    plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0)
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                  logprobs=2)
+    choice = r.choices[0]
+    tokens = httpx.post(server.url + "/detokenize", json={"model": server.model, "tokens": prompt},
+                        timeout=30).json()
+    assert choice.text == tokens["prompt"] + plain.choices[0].text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) + 3 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for token, actual, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert actual <= max(top.values()) + 1e-6 and len(top) == 2
+        if token in top:
+            assert abs(top[token] - actual) < 1e-5
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == choice.text
