@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from nextoken.errors import ModelLoadError
-from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.gguf import ModelFile
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 
@@ -67,7 +67,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
+    def from_gguf(cls, gguf: ModelFile) -> ModelConfig:
         md = gguf.metadata
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
@@ -126,6 +126,13 @@ class ModelConfig:
             special[role] = None if value is None else int(value)
         token_types = md.get("tokenizer.ggml.token_type")
         eog = {i for i in (special["eos"], special["eot"], special["eom"]) if i is not None}
+        # nextoken's own key, not llama.cpp's: every id that ends generation, where a Hugging Face directory lists
+        # several (generation_config.json's eos_token_id; loader/hf.py).
+        for value in md.get("tokenizer.ggml.eog_token_ids", ()):
+            if not 0 <= int(value) < vocab_size:
+                raise ModelLoadError(gguf.path, f"tokenizer.ggml.eog_token_ids holds {int(value)}, outside the "
+                                                f"vocabulary (0..{vocab_size - 1})")
+            eog.add(int(value))
         for i, text in enumerate(tokens):
             # Only control/user-defined tokens (types 3, 4) can be end-of-turn markers.
             if text in END_OF_TURN_TEXTS and (token_types is None or int(token_types[i]) in (3, 4)):
@@ -186,7 +193,7 @@ class ModelConfig:
         )
 
 
-def _dominant_type(gguf: GGUFFile) -> str:
+def _dominant_type(gguf: ModelFile) -> str:
     counts: dict[str, int] = {}
     for t in gguf.tensors.values():
         counts[t.qtype.name] = counts.get(t.qtype.name, 0) + t.num_elements
