@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -142,14 +142,23 @@ def read_hf_directory(path: str | os.PathLike[str]) -> HFDirectory:
     try:
         hp = Hparams(config)
         arch_metadata = family.metadata(hp, family.name)
-        shapes = expected_shapes(hp)
         extra = {"rope_freqs.weight": llama3_rope_factors(hp), **longrope_factors(hp)}
+        vocab_size = hp.vocab_size
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelLoadError(config_path, f"{exc}") from None
+    tokenizer = read_hf_tokenizer(path, config, vocab_size, trim=family.trim_vocab)
     handles, sources = _open_shards(path)
     plans = _plan(family, hp, sources, {name: t for name, t in extra.items() if t is not None})
-    _check_shapes(plans, shapes, config, next(iter(handles)))
-    tokenizer = read_hf_tokenizer(path, config, hp.vocab_size)
+    num_tokens = len(tokenizer.spec.tokens)
+    embd = plans.get("token_embd.weight")
+    if family.trim_vocab and embd is not None and embd.shape[0] > num_tokens:  # rows no token reaches
+        plans["token_embd.weight"] = replace(embd, shape=(num_tokens, *embd.shape[1:]),
+                                             make=partial(_first_rows, num_tokens, embd.make))
+    if family.norm_shift:
+        for name, plan in plans.items():
+            if name.endswith("norm.weight"):
+                plans[name] = replace(plan, make=partial(_shifted, family.norm_shift, plan.make))
+    _check_shapes(plans, expected_shapes(hp, num_tokens), config, next(iter(handles)))
     metadata: dict[str, Any] = {
         "general.architecture": family.name,
         "general.type": "model",
@@ -240,7 +249,7 @@ def _plan(family: Family, hp: Hparams, sources: dict[str, Source],
         plans[gguf_name] = Plan(srcs, shape, _qtype(gguf_name, len(shape), srcs[0].dtype), make)
 
     for name, src in sorted(sources.items()):
-        if name.endswith(SKIPPED_SUFFIXES):
+        if name.endswith(SKIPPED_SUFFIXES) or name in family.skipped:
             continue
         if (m := _EXPERT.fullmatch(name)) is not None:
             experts.setdefault((m["prefix"], m["proj"]), {})[int(m["expert"])] = src
@@ -294,6 +303,16 @@ def _rows(start: int, stop: int, values: list[torch.Tensor]) -> torch.Tensor:
 
 def _constant(constant: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
     return constant
+
+
+def _first_rows(num_rows: int, make: Callable[[list[torch.Tensor]], torch.Tensor],
+                values: list[torch.Tensor]) -> torch.Tensor:
+    return make(values)[:num_rows]
+
+
+def _shifted(shift: float, make: Callable[[list[torch.Tensor]], torch.Tensor],
+             values: list[torch.Tensor]) -> torch.Tensor:
+    return make(values).float() + shift  # in fp32, as llama.cpp adds it
 
 
 def _check_shapes(plans: Mapping[str, Plan], shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],

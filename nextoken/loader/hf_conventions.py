@@ -1,7 +1,8 @@
 """llama.cpp's converter conventions (convert_hf_to_gguf.py), per Hugging Face `model_type`: the GGUF architecture, the
-`{arch}.*` metadata it writes from config.json, the layout changes it makes to tensors (Llama's Q/K row permutation,
-GPT-2's transposed Conv1D weights), the tensors it adds (Llama 3's `rope_freqs`, Phi-3's long/short factors), and the
-shape every GGUF tensor must have for the configuration. Pure functions of config.json; no file is read here.
+`{arch}.*` metadata it writes from config.json, the changes it makes to tensors (Llama's Q/K row permutation, GPT-2's
+transposed Conv1D weights, Gemma's norms as 1 + w), the tensors it adds (Llama 3's `rope_freqs`, Phi-3's long/short
+factors), and the shape every GGUF tensor must have for the configuration. Pure functions of config.json; no file is
+read here.
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ class Hparams:
         rope = self.values.get("rope_parameters") or self.values.get("rope_scaling") or {}
         if not isinstance(rope, dict):
             raise ConfigError(f"rope_parameters must be an object, got {rope!r}")
-        rope = dict(rope.get("full_attention", rope))  # per-layer-type settings: the full-attention layers'
+        local = rope.get("sliding_attention") or {}  # per layer type: sliding-window layers' own (Gemma 3)
+        rope = dict(rope.get("full_attention", rope))
         if "rope_theta" not in rope and self.values.get("rope_theta") is not None:
             rope["rope_theta"] = self.values["rope_theta"]
         if "rope_type" not in rope and "type" in rope:
             rope["rope_type"] = rope["type"]
         self.rope: dict[str, Any] = rope
+        self.local_rope_theta: float | None = local.get("rope_theta", self.values.get("rope_local_base_freq"))
 
     def opt(self, *keys: str, kind: type = int) -> Any:
         """The first of `keys` present and not null, as `kind` (a non-negative number); None when none is."""
@@ -87,12 +90,16 @@ class Hparams:
 @dataclass(frozen=True)
 class Family:
     """How llama.cpp converts one model_type: `arch`, whether Q/K rows are permuted (LlamaModel.permute), the Conv1D
-    weights to transpose (name suffixes), and the `{arch}.*` metadata."""
+    weights to transpose (name suffixes), what is added to norm weights (Gemma's (1 + w) stored whole), whether the
+    token table keeps only the tokenizer's rows, the tensors it drops, and the `{arch}.*` metadata."""
 
     arch: MODEL_ARCH
     metadata: Callable[[Hparams, str], dict[str, Any]]
     permute_qk: bool = False
     conv1d: tuple[str, ...] = field(default=())
+    norm_shift: float = 0.0
+    trim_vocab: bool = False
+    skipped: tuple[str, ...] = ()  # tensors llama.cpp leaves out
 
     @property
     def name(self) -> str:
@@ -221,6 +228,29 @@ def _gpt2(hp: Hparams, arch: str) -> dict[str, Any]:
         Keys.Attention.LAYERNORM_EPS: hp.find("layer_norm_epsilon", kind=float)})
 
 
+def _gemma3(hp: Hparams, arch: str) -> dict[str, Any]:
+    """Gemma3Model: the text model's keys with Gemma 3's defaults, the local layers' RoPE base, the window, and (not
+    llama.cpp's for Gemma 3, which assumes five local layers then a global one) which layers are local."""
+    llm, att, rope = Keys.LLM, Keys.Attention, Keys.Rope
+    head_dim = hp.find("head_dim", default=256)
+    values: dict[str, Any] = {
+        llm.CONTEXT_LENGTH: hp.find("max_position_embeddings", default=131_072),
+        att.HEAD_COUNT: hp.find("num_attention_heads", default=8),
+        att.HEAD_COUNT_KV: hp.find("num_key_value_heads", default=4),
+        att.LAYERNORM_RMS_EPS: hp.find("rms_norm_eps", default=1e-6, kind=float),
+        att.KEY_LENGTH: head_dim, att.VALUE_LENGTH: head_dim,
+        rope.FREQ_BASE: float(hp.rope.get("rope_theta", 1_000_000.0)),
+        rope.FREQ_BASE_SWA: None if hp.local_rope_theta is None else float(hp.local_rope_theta),
+        llm.FINAL_LOGIT_SOFTCAPPING: hp.opt("final_logit_softcapping", kind=float) or None,
+    }
+    if hp.values.get("sliding_window_pattern") != 1:
+        values[att.SLIDING_WINDOW] = hp.find("sliding_window")
+    layer_types = hp.values.get("layer_types")
+    if isinstance(layer_types, list) and len(layer_types) == hp.num_layers:
+        values[att.SLIDING_WINDOW_PATTERN] = [t == "sliding_attention" for t in layer_types]
+    return {**_text_model(hp, arch), **_keys(arch, values)}
+
+
 _LLAMA = Family(MODEL_ARCH.LLAMA, _llama, permute_qk=True)
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -232,6 +262,7 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(MODEL_ARCH.PHI3, _phi3),
     "gpt2": Family(MODEL_ARCH.GPT2, _gpt2,
                    conv1d=(".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")),
+    "gemma3_text": Family(MODEL_ARCH.GEMMA3, _gemma3, norm_shift=1.0, trim_vocab=True, skipped=("lm_head.weight",)),
 }
 
 
@@ -274,10 +305,10 @@ def longrope_factors(hp: Hparams) -> dict[str, torch.Tensor]:
             "rope_factors_short.weight": torch.tensor(short, dtype=torch.float32)}
 
 
-def expected_shapes(hp: Hparams) -> dict[str, tuple[int, ...]]:
+def expected_shapes(hp: Hparams, vocab: int) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name (block tensors without their "blk.N." prefix) -> the numpy-order shape the configuration
-    gives it. Names not listed are not checked."""
-    hidden, hd, ffn, vocab = hp.hidden, hp.head_dim, hp.ffn, hp.vocab_size
+    gives it, for a token table of `vocab` rows. Names not listed are not checked."""
+    hidden, hd, ffn = hp.hidden, hp.head_dim, hp.ffn
     q, kv = hp.num_heads * hd, hp.num_kv_heads * hd
     experts = hp.opt("num_local_experts", "num_experts")
     expert_ffn = hp.find("moe_intermediate_size", default=ffn)
@@ -289,7 +320,8 @@ def expected_shapes(hp: Hparams) -> dict[str, tuple[int, ...]]:
         "attn_q.weight": (q, hidden), "attn_q.bias": (q,), "attn_k.weight": (kv, hidden), "attn_k.bias": (kv,),
         "attn_v.weight": (kv, hidden), "attn_v.bias": (kv,), "attn_qkv.weight": (q + 2 * kv, hidden),
         "attn_qkv.bias": (q + 2 * kv,), "attn_output.weight": (hidden, q), "attn_output.bias": (hidden,),
-        "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
+        "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,), "post_attention_norm.weight": (hidden,),
+        "post_ffw_norm.weight": (hidden,),
         "ffn_gate.weight": (ffn, hidden), "ffn_down.weight": (hidden, ffn), "ffn_down.bias": (hidden,),
         "ffn_up.weight": (ffn, hidden), "ffn_up.bias": (ffn,),
     }

@@ -65,8 +65,10 @@ class HFTokenizerFiles:
     eog_ids: tuple[int, ...]
 
 
-def read_hf_tokenizer(directory: Path, config: Mapping[str, Any], vocab_size: int) -> HFTokenizerFiles:
-    """The tokenizer of `directory` for a model of `vocab_size` embedding rows (`config`: its config.json)."""
+def read_hf_tokenizer(directory: Path, config: Mapping[str, Any], vocab_size: int, *,
+                      trim: bool = False) -> HFTokenizerFiles:
+    """The tokenizer of `directory` for a model of `vocab_size` embedding rows (`config`: its config.json). With
+    `trim`, as llama.cpp converts Gemma 3: only as many ids as tokenizer.json's vocabulary and added tokens count."""
     path = directory / TOKENIZER_JSON
     if not path.is_file():
         raise ModelLoadError(path, "missing: nextoken reads a directory's tokenizer from tokenizer.json")
@@ -83,6 +85,8 @@ def read_hf_tokenizer(directory: Path, config: Mapping[str, Any], vocab_size: in
     gen_config = read_json(directory / GENERATION_CONFIG, required=False) or {}
 
     kind = _kind(data, path)
+    if trim:
+        vocab_size = min(vocab_size, len(model["vocab"]) + len(data.get("added_tokens") or []))
     tokens, types = _vocabulary(data, path, vocab_size, kind)
     index = dict(zip(tokens, range(len(tokens))))
     merges = _merge_strings(model.get("merges", []), path)

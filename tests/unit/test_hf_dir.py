@@ -93,7 +93,17 @@ CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32, shared_expert_intermediate_size=48),
+    "gemma3_text": lambda: gemma3_config(num_hidden_layers=2),
 }
+
+
+def gemma3_config(**changes: Any) -> Any:
+    """A tiny Gemma 3 whose query scale is 1/sqrt(head_dim) (query_pre_attn_scalar = head_dim), as nextoken's
+    Gemma 3 takes it."""
+    values = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, max_position_embeddings=512,
+                  sliding_window=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return transformers.Gemma3TextConfig(**{**values, **changes})
 # Each type's block tensors under llama.cpp's names, as its converter writes them.
 _ATTN = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
          "ffn_norm.weight"}
@@ -109,11 +119,14 @@ BLOCK_TENSORS = {
              "ffn_down.weight"},
     "gpt2": {f"{t}.{p}" for t in ("attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down")
              for p in ("weight", "bias")},
+    "gemma3_text": _ATTN | _MLP | {"attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight",
+                                   "post_ffw_norm.weight"},
 }
 GLOBAL_TENSORS = {"gpt2": {"token_embd.weight", "position_embd.weight", "output_norm.weight", "output_norm.bias"},
                   "phi3": {"token_embd.weight", "output_norm.weight", "output.weight", "rope_factors_long.weight",
                            "rope_factors_short.weight"},
-                  "llama": {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}}
+                  "llama": {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"},
+                  "gemma3_text": {"token_embd.weight", "output_norm.weight"}}
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +175,16 @@ def undo(model_type: str, name: str, values: torch.Tensor, config: Any) -> list[
     return [values]
 
 
+def redo(model_type: str, name: str, stored: torch.Tensor) -> torch.Tensor:
+    """What llama.cpp makes of a stored tensor beyond its layout: Gemma's norms hold 1 + w, and its token table only
+    the tokenizer's rows (tiny_tokenizer's 269 and its 3 added tokens, counted as llama.cpp counts them)."""
+    if model_type == "gemma3_text" and name.endswith("norm.weight"):
+        return stored.float() + 1
+    if model_type == "gemma3_text" and name == "token_embd.weight":
+        return stored[:272]
+    return stored
+
+
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_view_names_layouts_and_values(views: dict, model_type: str) -> None:
     directory, config = views[model_type]
@@ -171,7 +194,7 @@ def test_view_names_layouts_and_values(views: dict, model_type: str) -> None:
     # Every stored tensor makes exactly one GGUF tensor, under llama.cpp's names.
     used = [n for names in view.sources.values() for n in names]
     assert sorted(used) == sorted(stored)
-    want = {f"blk.{i}.{t}" for i in range(2) for t in BLOCK_TENSORS[model_type]}
+    want = {f"blk.{i}.{t}" for i in range(2) for t in BLOCK_TENSORS[model_type]}  # every view model has 2 layers
     want |= GLOBAL_TENSORS.get(model_type, {"token_embd.weight", "output_norm.weight", "output.weight"})
     assert set(view.tensors) == want
     for name, info in view.tensors.items():
@@ -184,7 +207,7 @@ def test_view_names_layouts_and_values(views: dict, model_type: str) -> None:
         originals = undo(model_type, name, values, config)
         assert len(originals) == len(view.sources[name])
         for original, hf_name in zip(originals, view.sources[name]):
-            assert torch.equal(original, stored[hf_name].float()), f"{name} <- {hf_name}"
+            assert torch.equal(original, redo(model_type, name, stored[hf_name]).float()), f"{name} <- {hf_name}"
 
 
 def _expected_metadata(model_type: str, c: Any) -> dict[str, Any]:
@@ -194,13 +217,14 @@ def _expected_metadata(model_type: str, c: Any) -> dict[str, Any]:
         return {"gpt2.block_count": c.n_layer, "gpt2.context_length": c.n_positions, "gpt2.embedding_length": c.n_embd,
                 "gpt2.feed_forward_length": 4 * c.n_embd, "gpt2.attention.head_count": c.n_head,
                 "gpt2.attention.layer_norm_epsilon": f32(c.layer_norm_epsilon)}
-    arch = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe"}.get(model_type,
-                                                                                                    model_type)
+    arch = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+            "gemma3_text": "gemma3"}.get(model_type, model_type)
     md = {f"{arch}.{k}": v for k, v in {
         "block_count": c.num_hidden_layers, "context_length": c.max_position_embeddings,
         "embedding_length": c.hidden_size, "feed_forward_length": c.intermediate_size,
         "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-        "rope.freq_base": f32(c.rope_parameters["rope_theta"]), "attention.layer_norm_rms_epsilon": f32(c.rms_norm_eps),
+        "rope.freq_base": f32(c.rope_parameters.get("full_attention", c.rope_parameters)["rope_theta"]),
+        "attention.layer_norm_rms_epsilon": f32(c.rms_norm_eps),
     }.items()}
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if arch == "llama":
@@ -212,8 +236,12 @@ def _expected_metadata(model_type: str, c: Any) -> dict[str, Any]:
     if model_type == "qwen2_moe":
         md |= {"qwen2moe.expert_feed_forward_length": c.moe_intermediate_size,
                "qwen2moe.expert_shared_feed_forward_length": c.shared_expert_intermediate_size}
-    if model_type == "qwen3":
-        md |= {"qwen3.attention.key_length": c.head_dim, "qwen3.attention.value_length": c.head_dim}
+    if model_type in ("qwen3", "gemma3_text"):
+        md |= {f"{arch}.attention.key_length": c.head_dim, f"{arch}.attention.value_length": c.head_dim}
+    if model_type == "gemma3_text":
+        md |= {"gemma3.rope.freq_base_swa": c.rope_parameters["sliding_attention"]["rope_theta"],
+               "gemma3.attention.sliding_window": c.sliding_window,
+               "gemma3.attention.sliding_window_pattern": [t == "sliding_attention" for t in c.layer_types]}
     if model_type == "phi3":
         original = c.rope_parameters.get("original_max_position_embeddings", c.original_max_position_embeddings)
         scale = c.max_position_embeddings / original
@@ -232,7 +260,8 @@ def test_view_metadata(views: dict, model_type: str) -> None:
     assert md["general.file_type"] == 0  # all F32
     assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "gpt-2"
     tokens, types = md["tokenizer.ggml.tokens"], md["tokenizer.ggml.token_type"]
-    assert len(tokens) == len(types) == 300 and tokens[299] == "[PAD299]" and types[299] == 5
+    num = 272 if model_type == "gemma3_text" else 300  # Gemma 3: the tokenizer's ids alone (llama.cpp's count)
+    assert len(tokens) == len(types) == num and tokens[-1] == f"[PAD{num - 1}]" and types[-1] == 5
     assert [types[i] for i in range(3)] == [3, 3, 3] and md["tokenizer.ggml.merges"][0] == "Ġ t"
     assert md["tokenizer.ggml.eos_token_id"] == 2
 
@@ -301,6 +330,27 @@ def test_llama_directory_matches_transformers(tiny_llama: tuple[Path, Any]) -> N
     with torch.no_grad():
         for _ in range(12):
             seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    assert out.token_ids == seq[len(ids):]
+
+
+def test_gemma3_directory_matches_transformers(tmp_path: Path) -> None:
+    """Seven layers (one global), a 16-token window and a longer prompt: Gemma's norms, local RoPE and window."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(gemma3_config(initializer_range=0.05),
+                                             attn_implementation="eager").eval()
+    directory = save(model, tmp_path / "gemma3")
+    tiny_tokenizer(directory)
+    llm = LLM(str(directory), dtype="float32", kv_cache_bytes=16 << 20)
+    ids = llm.encode("the then there at on in en er sat the hen the at then ether " * 2)
+    assert len(ids) > 40
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, :, :272]  # the rows llama.cpp keeps
+    assert (llm.engine.runner.score(ids) - reference).abs().max() < 1e-4
+    out = llm.generate([ids], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))[0]
+    seq = list(ids)
+    with torch.no_grad():
+        for _ in range(8):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1, :272].argmax()))
     assert out.token_ids == seq[len(ids):]
 
 
