@@ -129,6 +129,11 @@ def read_hf_directory(path: str | os.PathLike[str]) -> HFDirectory:
     if not path.is_dir():
         raise ModelLoadError(path, "is not a directory")
     config_path = path / "config.json"
+    if not config_path.exists():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; for a GGUF file, pass its path ({ggufs[0]} is here)" if ggufs else ""
+        raise ModelLoadError(config_path, f"missing: a Hugging Face model directory holds config.json, .safetensors "
+                                          f"weights and tokenizer.json{hint}")
     config = read_json(config_path, required=True)
     assert config is not None
     if config.get("quantization_config") is not None:
@@ -189,7 +194,8 @@ def _shard_files(path: Path) -> tuple[list[Path], dict[str, str]]:
     shards = sorted(p for p in path.glob("model*.safetensors") if p.is_file())
     if shards:
         return shards, {}
-    pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    pickles = sorted((p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES),
+                     key=lambda p: (not p.name.startswith(("pytorch_model", "model")), p.name))  # weights first
     if pickles:
         raise ModelLoadError(pickles[0], "refusing pickle-based weights: loading them can run code; use the "
                                          "model's .safetensors files")
