@@ -151,18 +151,10 @@ def read_hf_directory(path: str | os.PathLike[str]) -> HFDirectory:
         vocab_size = hp.vocab_size
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelLoadError(config_path, f"{exc}") from None
-    tokenizer = read_hf_tokenizer(path, config, vocab_size, trim=family.trim_vocab)
     handles, sources = _open_shards(path)
-    plans = _plan(family, hp, sources, {name: t for name, t in extra.items() if t is not None})
+    tokenizer = read_hf_tokenizer(path, config, vocab_size, trim=family.trim_vocab)
     num_tokens = len(tokenizer.spec.tokens)
-    embd = plans.get("token_embd.weight")
-    if family.trim_vocab and embd is not None and embd.shape[0] > num_tokens:  # rows no token reaches
-        plans["token_embd.weight"] = replace(embd, shape=(num_tokens, *embd.shape[1:]),
-                                             make=partial(_first_rows, num_tokens, embd.make))
-    if family.norm_shift:
-        for name, plan in plans.items():
-            if name.endswith("norm.weight"):
-                plans[name] = replace(plan, make=partial(_shifted, family.norm_shift, plan.make))
+    plans = _adjust(family, _plan(family, hp, sources, {n: t for n, t in extra.items() if t is not None}), num_tokens)
     _check_shapes(plans, expected_shapes(hp, num_tokens), config, next(iter(handles)))
     metadata: dict[str, Any] = {
         "general.architecture": family.name,
@@ -319,6 +311,20 @@ def _first_rows(num_rows: int, make: Callable[[list[torch.Tensor]], torch.Tensor
 def _shifted(shift: float, make: Callable[[list[torch.Tensor]], torch.Tensor],
              values: list[torch.Tensor]) -> torch.Tensor:
     return make(values).float() + shift  # in fp32, as llama.cpp adds it
+
+
+def _adjust(family: Family, plans: dict[str, Plan], num_tokens: int) -> dict[str, Plan]:
+    """What the family's conversion changes in values: Gemma's norms stored as 1 + w, its token table cut to the
+    tokenizer's `num_tokens` ids."""
+    embd = plans.get("token_embd.weight")
+    if family.trim_vocab and embd is not None and embd.shape[0] > num_tokens:  # rows no token reaches
+        plans["token_embd.weight"] = replace(embd, shape=(num_tokens, *embd.shape[1:]),
+                                             make=partial(_first_rows, num_tokens, embd.make))
+    if family.norm_shift:
+        for name, plan in plans.items():
+            if name.endswith("norm.weight"):
+                plans[name] = replace(plan, make=partial(_shifted, family.norm_shift, plan.make))
+    return plans
 
 
 def _check_shapes(plans: Mapping[str, Plan], shapes: Mapping[str, tuple[int, ...]], config: Mapping[str, Any],

@@ -90,7 +90,7 @@ def read_hf_tokenizer(directory: Path, config: Mapping[str, Any], vocab_size: in
     tokens, types = _vocabulary(data, path, vocab_size, kind)
     index = dict(zip(tokens, range(len(tokens))))
     merges = _merge_strings(model.get("merges", []), path)
-    ids = _special_ids(tok_config, config, index, vocab_size, path)
+    ids = _special_ids(tok_config, (config, gen_config), index, vocab_size, path)
     ids, add_bos, add_eos = _post_processor(data.get("post_processor"), ids, index, path)
     eog = _eog_ids(ids["eos"], (config, directory / "config.json"), (gen_config, directory / GENERATION_CONFIG),
                    vocab_size=vocab_size)
@@ -216,9 +216,10 @@ def _merge_strings(value: Any, path: Path) -> list[str]:
     return merges
 
 
-def _special_ids(tok_config: Mapping[str, Any], config: Mapping[str, Any], index: Mapping[str, int],
+def _special_ids(tok_config: Mapping[str, Any], configs: tuple[Mapping[str, Any], ...], index: Mapping[str, int],
                  vocab_size: int, path: Path) -> dict[str, int | None]:
-    """BOS/EOS/UNK/PAD: tokenizer_config.json's `{role}_token` texts, else config.json's `{role}_token_id`."""
+    """BOS/EOS/UNK/PAD: tokenizer_config.json's `{role}_token` texts, else the first `{role}_token_id` of
+    config.json, then generation_config.json (the first of a list)."""
     ids: dict[str, int | None] = {}
     for role in SPECIAL_ROLES:
         entry = tok_config.get(f"{role}_token")
@@ -226,10 +227,11 @@ def _special_ids(tok_config: Mapping[str, Any], config: Mapping[str, Any], index
         token_id = index.get(text) if isinstance(text, str) else None
         if isinstance(text, str) and token_id is None:
             raise ModelLoadError(path.with_name(TOKENIZER_CONFIG), f"{role}_token {text!r} is not in {path.name}")
-        if token_id is None:
+        for config in configs:
             value = config.get(f"{role}_token_id")
             value = value[0] if isinstance(value, list) and value else value
-            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
+            if token_id is None and isinstance(value, int) and not isinstance(value, bool) and \
+                    0 <= value < vocab_size:
                 token_id = value
         ids[role] = token_id
     return ids

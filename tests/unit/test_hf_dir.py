@@ -401,6 +401,29 @@ def test_tokenizer_matches_transformers(tmp_path: Path, bos: bool) -> None:
         assert len(plain) > 1 and not set(plain) & ours.special_ids
 
 
+def test_sentencepiece_style_tokenizer_matches_transformers(tiny_gemma: Path, tmp_path: Path) -> None:
+    """A Llama 2 / Mistral style tokenizer.json (BPE with byte fallback, "▁" for spaces, one prepended, BOS added
+    by the post-processor), from tests/tiny.py's SentencePiece vocabulary."""
+    metadata = {**read_gguf(tiny_gemma).metadata, "tokenizer.ggml.add_space_prefix": True}
+    tok = Tokenizer.from_gguf(metadata)._hf
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 2)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "unk_token": "<unk>"}))
+    num_tokens = len(metadata["tokenizer.ggml.tokens"])
+    files = read_hf_tokenizer(tmp_path, {}, num_tokens)
+    assert files.metadata["tokenizer.ggml.model"] == "llama" and files.spec.add_space_prefix
+    assert files.spec.types[files.spec.token_index["<0x41>"]] == 6  # byte tokens typed as llama.cpp types them
+    ours = Tokenizer.from_hf(files.spec, files.json_text)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    for text in ["the hen sat on a mat", " the  then", "naïve 日本 🤗", "<start_of_turn>user\nhe<end_of_turn>"]:
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == ids and ids[0] == 2, text
+        assert ours.decode(ids[1:]) == theirs.decode(ids[1:]), text
+
+
 def test_added_token_ids_the_library_would_move_are_refused(tmp_path: Path) -> None:
     smollm2_with_tool_token(tmp_path, tool_id=49157)  # past a gap: the tokenizers library would make it 49152
     files = read_hf_tokenizer(tmp_path, {}, 49160)
