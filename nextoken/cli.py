@@ -28,7 +28,8 @@ def _read_text(arg: str | None, what: str) -> str:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
-                   help=f"a model name (see `nextoken models`) or a path to a .gguf file (default: {DEFAULT_MODEL})")
+                   help=f"a model name (see `nextoken models`), a path to a .gguf file, or a Hugging Face model "
+                        f"directory (config.json, .safetensors, tokenizer.json) (default: {DEFAULT_MODEL})")
 
 
 def _add_engine(p: argparse.ArgumentParser) -> None:
@@ -87,11 +88,10 @@ def _load_text_side(model: str) -> Any:
     """The input processor of a model (its tokenizer, chat template and vocabulary) without loading its weights."""
     from nextoken.engine.engine import load_text_side
     from nextoken.engine.inputs import InputProcessor
-    from nextoken.loader.gguf import read_gguf
-    from nextoken.loader.registry import resolve_model
+    from nextoken.loader.registry import open_model, resolve_model
     from nextoken.models.config import ModelConfig
 
-    gguf = read_gguf(resolve_model(model))
+    gguf = open_model(resolve_model(model))
     config = ModelConfig.from_gguf(gguf)
     tokenizer, template = load_text_side(gguf, config)
     return InputProcessor(tokenizer, template, config.vocab_size)

@@ -23,7 +23,7 @@ class ModelLoadError(NextokenError):
 
 
 class UnknownModel(NextokenError):
-    """A model name that is neither registered nor a path to a .gguf file."""
+    """A model name that is neither registered nor a path to a .gguf file or a model directory."""
 
     http_status = 404
 

@@ -29,8 +29,9 @@ from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
-from nextoken.loader.gguf import GGUFFile, read_gguf
-from nextoken.loader.registry import model_name_for, resolve_model
+from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.hf import HFDirectory
+from nextoken.loader.registry import model_name_for, open_model, resolve_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native
 from nextoken.sampling_params import SamplingParams
@@ -40,9 +41,13 @@ from nextoken.tokenizer.tokenizer import Tokenizer
 log = logging.getLogger("nextoken.engine")
 
 
-def load_text_side(gguf: GGUFFile, config: ModelConfig) -> tuple[Tokenizer, ChatTemplate]:
-    """A model's tokenizer and chat template (the file's, or the documented fallback), without its weights."""
-    tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(gguf.path))
+def load_text_side(gguf: GGUFFile | HFDirectory, config: ModelConfig) -> tuple[Tokenizer, ChatTemplate]:
+    """A model's tokenizer and chat template (the file's, or the documented fallback), without its weights. A
+    directory's tokenizer is its tokenizer.json itself, not the metadata the view derives from it."""
+    if isinstance(gguf, HFDirectory):
+        tokenizer = Tokenizer.from_hf(gguf.tokenizer_files.spec, gguf.tokenizer_files.json_text)
+    else:
+        tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(gguf.path))
 
     def text(token_id: int | None) -> str:
         return "" if token_id is None else tokenizer.id_to_piece(token_id)
@@ -85,9 +90,9 @@ class LLMEngine:
             torch.set_num_threads(config.threads)
         self.model_path = resolve_model(config.model)
         self.model_name = model_name_for(self.model_path) if config.model != str(self.model_path) \
-            else self.model_path.stem
+            else self.model_path.name if self.model_path.is_dir() else self.model_path.stem
         with _no_collection():
-            gguf = read_gguf(self.model_path)
+            gguf = open_model(self.model_path)
             self.model_config = ModelConfig.from_gguf(gguf)
             self.max_model_len = min(config.max_model_len or self.model_config.context_length,
                                      self.model_config.context_length)

@@ -9,14 +9,14 @@ from collections.abc import Callable
 
 import torch
 
-from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.gguf import ModelFile
 from nextoken.loader.weights import load_weights
 from nextoken.models.base import CausalLM
 from nextoken.models.config import ModelConfig
 from nextoken.ops.quantize import WeightFormats, quantize_model
 
 
-def load_model(gguf: GGUFFile, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
+def load_model(gguf: ModelFile, config: ModelConfig, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", progress: Callable[[str], None] | None = None,
                quant: str | None = None, quantize_head: bool = False) -> CausalLM:
     """The model of `gguf` on `device`, in eval mode: dense projections in `dtype`, or with `quant` ("int4", "int8")

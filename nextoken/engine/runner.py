@@ -20,7 +20,7 @@ from nextoken.engine.model_loader import load_model
 from nextoken.engine.sampler import Sampler
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
-from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.gguf import ModelFile
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
@@ -41,7 +41,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_weights(config: EngineConfig, device: torch.device, gguf: GGUFFile) -> str:
+def resolve_weights(config: EngineConfig, device: torch.device, gguf: ModelFile) -> str:
     """The projection weight format: explicit `weights`, else the explicit `dtype`, else the device's default.
 
     On CPU that is int4 when every projection in the file is in blocks the native kernels hold exactly (Q4_0, Q4_1,
@@ -83,7 +83,7 @@ def resolve_kv_dtype(config: EngineConfig, device: torch.device) -> str:
     return "bf16" if device.type == "cuda" else "fp32"
 
 
-def _all_projections_exact(gguf: GGUFFile) -> bool:
+def _all_projections_exact(gguf: ModelFile) -> bool:
     kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     projections = [t for name, t in gguf.tensors.items()
                    if name.startswith("blk.") and name.split(".")[2] in kinds]
@@ -91,7 +91,7 @@ def _all_projections_exact(gguf: GGUFFile) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, gguf: GGUFFile, model_config: ModelConfig, config: EngineConfig,
+    def __init__(self, gguf: ModelFile, model_config: ModelConfig, config: EngineConfig,
                  max_model_len: int) -> None:
         self.config = config
         self.model_config = model_config

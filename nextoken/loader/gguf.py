@@ -15,7 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -64,6 +64,23 @@ class TensorInfo:
         for d in self.shape:
             n *= d
         return n
+
+
+class ModelFile(Protocol):
+    """What the rest of nextoken reads of a model: metadata under GGUF keys, tensors under GGUF names and layouts, and
+    their bytes. A GGUF file (`GGUFFile`) and a Hugging Face directory read as one (loader/hf.py `HFDirectory`)."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    def raw(self, name: str) -> np.ndarray: ...
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def num_parameters(self) -> int: ...
 
 
 class GGUFFile:

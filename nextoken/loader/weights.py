@@ -19,7 +19,7 @@ from torch import nn
 
 from nextoken.errors import ModelLoadError
 from nextoken.loader.codec import check, dequantize, q4_nibbles, q5_codes, q6_codes, q8_0_codes
-from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.gguf import ModelFile
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
@@ -98,7 +98,7 @@ class FileBacked(nn.Module):
         return torch.func.functional_call(self.module, params, args, kwargs)
 
 
-def load_weights(model: CausalLM, gguf: GGUFFile, progress: Callable[[str], None] | None = None) -> None:
+def load_weights(model: CausalLM, gguf: ModelFile, progress: Callable[[str], None] | None = None) -> None:
     """Fill `model` (built on the meta device) from `gguf`: each module holding a matrix becomes a `FileBacked` over
     the file's tensors, vectors become fp32 parameters. Raises ModelLoadError for a missing tensor, a type that cannot
     be decoded, or shapes that do not make this configuration's parameter; `progress` is called with each parameter's

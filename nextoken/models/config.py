@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from nextoken.errors import ModelLoadError
-from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.gguf import ModelFile
 from nextoken.models.gemma3 import GEMMA3
 from nextoken.models.gpt2 import GPT2
 from nextoken.models.llama import LLAMA
@@ -76,7 +76,7 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
 
     @classmethod
-    def from_gguf(cls, gguf: GGUFFile) -> ModelConfig:
+    def from_gguf(cls, gguf: ModelFile) -> ModelConfig:
         md = gguf.metadata
         arch = md.get("general.architecture")
         if not isinstance(arch, str):
@@ -144,6 +144,13 @@ class ModelConfig:
             special[role] = None if value is None else int(value)
         token_types = md.get("tokenizer.ggml.token_type")
         eog = {i for i in (special["eos"], special["eot"], special["eom"]) if i is not None}
+        # nextoken's own key, not llama.cpp's: every id that ends generation, where a Hugging Face directory lists
+        # several (generation_config.json's eos_token_id; loader/hf.py).
+        for value in md.get("tokenizer.ggml.eog_token_ids", ()):
+            if not 0 <= int(value) < vocab_size:
+                raise ModelLoadError(gguf.path, f"tokenizer.ggml.eog_token_ids holds {int(value)}, outside the "
+                                                f"vocabulary (0..{vocab_size - 1})")
+            eog.add(int(value))
         for i, text in enumerate(tokens):
             # Only control/user-defined tokens (types 3, 4) can be end-of-turn markers.
             if text in END_OF_TURN_TEXTS and (token_types is None or int(token_types[i]) in (3, 4)):
@@ -202,7 +209,7 @@ class ModelConfig:
         )
 
 
-def _rope_factors(gguf: GGUFFile, get: Any, rope_dim: int) -> tuple[tuple[float, ...] | None, float]:
+def _rope_factors(gguf: ModelFile, get: Any, rope_dim: int) -> tuple[tuple[float, ...] | None, float]:
     """(per-frequency divisors, the factor on cos and sin) from the file's extra RoPE tensors: Llama 3's `rope_freqs`,
     or Phi-3's longrope pair, of which the long factors apply where the model's context is longer than the one it
     was trained at (llama.cpp's choice: by the context, not by each sequence's length)."""
@@ -224,7 +231,7 @@ def _rope_factors(gguf: GGUFFile, get: Any, rope_dim: int) -> tuple[tuple[float,
     return None, 1.0
 
 
-def _dominant_type(gguf: GGUFFile) -> str:
+def _dominant_type(gguf: ModelFile) -> str:
     counts: dict[str, int] = {}
     for t in gguf.tensors.values():
         counts[t.qtype.name] = counts.get(t.qtype.name, 0) + t.num_elements

@@ -1,6 +1,8 @@
-"""Text <-> token ids for a GGUF model: `Tokenizer.from_gguf(metadata)`.
+"""Text <-> token ids for a model: `Tokenizer.from_gguf(metadata)` for a GGUF file, `Tokenizer.from_hf(spec, json)`
+for a Hugging Face directory's tokenizer.json.
 
-Encoding runs on a Hugging Face `tokenizers` object built from the file (ids identical to transformers and llama.cpp).
+Encoding runs on a Hugging Face `tokenizers` object, built from the GGUF file or tokenizer.json itself (ids identical
+to transformers and llama.cpp).
 Decoding joins each token's bytes from a piece table and decodes UTF-8 once, so `decode` and the streaming
 `IncrementalDetokenizer` agree exactly. An instance is immutable after construction and safe to share across threads.
 """
@@ -25,13 +27,14 @@ from nextoken.tokenizer.from_gguf import (
     piece_table,
     special_token_ids,
 )
+from nextoken.tokenizer.from_hf import build_encoders
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")  # lone UTF-16 halves: valid in a str, not in text
 
 
 class Tokenizer:
-    """A model's tokenizer. Build with `from_gguf`; the attributes below are read-only by convention."""
+    """A model's tokenizer. Build with `from_gguf` or `from_hf`; the attributes below are read-only by convention."""
 
     vocab_size: int
     bos_id: int | None
@@ -70,6 +73,18 @@ class Tokenizer:
         hf = build_hf_tokenizer(spec, stats)
         plain = clone_hf_tokenizer(hf, spec)
         plain.encode_special_tokens = True
+        pieces = piece_table(spec)
+        stats["total_s"] = time.perf_counter() - t0
+        return cls(spec, hf, plain, pieces, stats)
+
+    @classmethod
+    def from_hf(cls, spec: TokenizerSpec, tokenizer_json: str) -> Tokenizer:
+        """Build from a Hugging Face tokenizer.json (its text) and the spec derived from it with the directory's other
+        files (tokenizer/from_hf.py): the file's own encoder, and the spec's pieces for decoding."""
+        t0 = time.perf_counter()
+        stats: dict[str, Any] = {"kind": spec.kind, "vocab_size": len(spec.tokens)}
+        hf, plain = build_encoders(spec, tokenizer_json)
+        stats["build_bpe_s"] = time.perf_counter() - t0
         pieces = piece_table(spec)
         stats["total_s"] = time.perf_counter() - t0
         return cls(spec, hf, plain, pieces, stats)

@@ -19,7 +19,9 @@ from nextoken import LLM, SamplingParams
 from nextoken.engine import engine as engine_module
 from nextoken.config import EngineConfig
 from nextoken.errors import ModelLoadError, NextokenError, PromptTooLong
-from nextoken.loader.gguf import GGUFFile, read_gguf
+from nextoken.loader.gguf import GGUFFile
+from nextoken.loader.hf import HFDirectory
+from nextoken.loader.registry import open_model
 from nextoken.ops.fused import FusedDecoder
 from nextoken.ops import native
 from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
@@ -338,11 +340,11 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
     it was found: on after a load, on after a failed one, still off if the caller had turned it off."""
     seen = []
 
-    def watching(path: Path) -> GGUFFile:
+    def watching(path: Path) -> GGUFFile | HFDirectory:
         seen.append(gc.isenabled())
-        return read_gguf(path)
+        return open_model(path)
 
-    monkeypatch.setattr(engine_module, "read_gguf", watching)
+    monkeypatch.setattr(engine_module, "open_model", watching)
     assert gc.isenabled()
     _llm(tiny_llama)
     assert seen == [False] and gc.isenabled()
