@@ -165,7 +165,8 @@ class ModelConfig:
                           scaling_type="linear" if scaling == "linear" else "none",
                           scaling_factor=(get("rope.scaling.factor", 1.0, kind=float) or 1.0) if scaling == "linear" else 1.0,
                           freq_factors=factors, attention_factor=attention_factor)
-        window = get("attention.sliding_window", None)  # a Mistral-style window on every layer, where set
+        # A window on every layer, where set (Mistral, Phi-3); 0, as converters write "none", is no window.
+        window = get("attention.sliding_window", None) if md.get(f"{arch}.attention.sliding_window") else None
         eps_key = "attention.layer_norm_rms_epsilon" if recipe.norm == "rms" else "attention.layer_norm_epsilon"
         fields: dict[str, Any] = dict(
             num_layers=num_layers, hidden_size=hidden, num_heads=num_heads, head_dim=head_dim, rope=rope,

@@ -1,5 +1,6 @@
 """Every architecture family against the reference implementation: tiny random models built by transformers, written as
-GGUF files the way llama.cpp converts them (tests/hf_reference.py), run through the whole engine in fp32.
+GGUF files the way llama.cpp converts them (tests/hf_reference.py) and saved as Hugging Face directories
+(safetensors), each format run through the whole engine in fp32.
 
 Teacher-forced top-5 log-probabilities within 1e-4 of transformers' forward at every position; greedy continuations
 identical to transformers' own generation, for several prompts batched together, with the prompts' prefill split into
@@ -21,21 +22,34 @@ from nextoken.trace.run import run_request
 from nextoken.trace.report import describe_paths
 from nextoken.trace.summary import summarize
 from nextoken.trace.tracer import RecordingTracer
-from tests.hf_reference import ARCHS, VOCAB, build, reference_greedy, reference_logprobs, write_gguf
+from tests.hf_reference import (ARCHS, VOCAB, build, reference_greedy, reference_logprobs, save_directory,
+                                write_gguf)
+from tests.unit.test_hf_dir import tiny_tokenizer
 
 NAMES = [n for n in ARCHS if n != "phi3-longrope"]  # its reference switches factors by length: its own test
 LENGTHS = (40, 23, 9)  # prompts of a batch: past Mistral's 12-token window, and a few blocks of 16 each
 NEW_TOKENS = 12
 
 
+FORMATS = ["gguf", "hf"]
+
+
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
-    """name -> (the transformers model, its GGUF file)."""
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path, Path]]:
+    """name -> (the transformers model, its GGUF file, its Hugging Face directory)."""
     out = {}
     for i, name in enumerate(NAMES):
         model = build(name, seed=i)
-        out[name] = (model, write_gguf(model, name, tmp_path_factory.mktemp(name) / f"tiny-{name}.gguf"))
+        directory = tmp_path_factory.mktemp(name)
+        hf = directory / "hf"
+        save_directory(model, hf)
+        tiny_tokenizer(hf)
+        out[name] = (model, write_gguf(model, name, directory / f"tiny-{name}.gguf"), hf)
     return out
+
+
+def model_path(models: dict, name: str, fmt: str) -> Path:
+    return models[name][1 if fmt == "gguf" else 2]
 
 
 def prompts(name: str) -> list[list[int]]:
@@ -47,9 +61,10 @@ def fp32_llm(path: Path, **options) -> LLM:  # noqa: ANN003
     return LLM(str(path), weights="fp32", kv_dtype="fp32", device="cpu", kv_cache_bytes=8 << 20, **options)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", NAMES)
-def test_top5_logprobs_match_transformers(models: dict, name: str) -> None:
-    model, path = models[name]
+def test_top5_logprobs_match_transformers(models: dict, name: str, fmt: str) -> None:
+    model, path = models[name][0], model_path(models, name, fmt)
     llm = fp32_llm(path)
     for ids in prompts(name):
         ref = reference_logprobs(model, ids)
@@ -62,9 +77,10 @@ def test_top5_logprobs_match_transformers(models: dict, name: str) -> None:
                 assert abs(mine[token] - lp) < 1e-4, f"{name} position {pos} token {token}: {mine[token]} vs {lp}"
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", NAMES)
-def test_greedy_continuations_match_transformers_batched_and_chunked(models: dict, name: str) -> None:
-    model, path = models[name]
+def test_greedy_continuations_match_transformers_batched_and_chunked(models: dict, name: str, fmt: str) -> None:
+    model, path = models[name][0], model_path(models, name, fmt)
     want = [reference_greedy(model, ids, NEW_TOKENS) for ids in prompts(name)]
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     # Chunks of 16 tokens a step: the longest prompt's prefill spans three steps, beside the others' decodes.
@@ -75,7 +91,7 @@ def test_greedy_continuations_match_transformers_batched_and_chunked(models: dic
 
 def test_the_mistral_window_matters_here(models: dict) -> None:
     """Mistral's sliding window changes the reference at these lengths: the test above holds it, not just attention."""
-    model, _ = models["mistral"]
+    model = models["mistral"][0]
     ids = prompts("mistral")[0]
     windowed = reference_logprobs(model, ids)
     model.config.sliding_window = None
@@ -111,7 +127,7 @@ NATIVE = [n for n in NAMES if n not in ("gpt2", "mixtral", "qwen2moe")]
 def test_the_fused_step_runs_every_recipe_it_covers(models: dict, name: str) -> None:
     """With block weights, families the native step covers run fused; the others run on the modules, and a trace
     says which parts keep them there."""
-    _, path = models[name]
+    path = models[name][1]
     llm = LLM(str(path), weights="int8", device="cpu", kv_cache_bytes=8 << 20)
     model = llm.engine.runner.model
     gaps = model.config.recipe.native_gaps()
