@@ -315,6 +315,16 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from nextoken.loader.convert import convert
+
+    result = convert(args.directory, args.out, args.type)
+    types = ", ".join(f"{n} {t}" for t, n in sorted(result.types.items()))
+    print(f"wrote {result.path}: {result.architecture}, {result.tensors} tensors ({types}), "
+          f"{result.bytes / 2**20:,.1f} MiB")
+    return 0
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -383,6 +393,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens between the starts of two windows (default: half a window)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_perplexity)
+
+    p = sub.add_parser("convert", help="write a Hugging Face model directory as a GGUF file")
+    p.add_argument("directory", help="the directory: config.json, *.safetensors, tokenizer.json")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--type", default="f16", choices=["f32", "f16", "bf16", "q8_0", "q4_0"],
+                   help="the matrices' type (vectors stay f32; default f16)")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("models", help="list the known models and whether they are installed")
     p.add_argument("--json", action="store_true")
