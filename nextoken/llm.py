@@ -35,6 +35,7 @@ class Completion:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cumulative_logprob: float | None = None  # a beam's: the sum of its tokens' log-probabilities
     # A reasoning model's chat: the thinking section (None where the answer has none) and the rest of the text.
     reasoning: str | None = None
     content: str | None = None
@@ -211,10 +212,17 @@ class LLM:
             ids = prompt.prompt_ids
             reqs = [done[rid] for rid in group]
             first = reqs[0]
-            completions = [Completion(i, "".join(texts[r.request_id]), list(r.output_ids), r.finish_reason,
-                                      r.logprobs if params.logprobs is not None else None)
-                           for i, r in enumerate(reqs)]
-            num_out = sum(len(r.output_ids) for r in reqs)
+            if first.beams is not None:  # a beam search: its n best hypotheses
+                decode = self.tokenizer.decode
+                completions = [Completion(i, decode(h.token_ids, skip_special_tokens=params.skip_special_tokens),
+                                          list(h.token_ids), h.finish_reason,
+                                          cumulative_logprob=h.cumulative_logprob)
+                               for i, h in enumerate(first.beams)]
+            else:
+                completions = [Completion(i, "".join(texts[r.request_id]), list(r.output_ids), r.finish_reason,
+                                          r.logprobs if params.logprobs is not None else None)
+                               for i, r in enumerate(reqs)]
+            num_out = sum(len(c.token_ids) for c in completions)
             results.append(GenerationOutput(
                 request_id=first.request_id, prompt=prompt.text, prompt_token_ids=ids, outputs=completions,
                 timings=request_timings(first),

@@ -18,6 +18,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam's row reads its top 2W log-probabilities
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module's docstring)
 
 
@@ -40,6 +41,11 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-K log-probabilities at each prompt position (teacher-forced)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Beam search (engine/beam.py) where set: the beams kept, the exponent of the length its scores are divided by,
+    # and whether it ends as soon as beam_width hypotheses are finished. Deterministic: no draw, no penalties.
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +107,18 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**63:
                 raise fail("stop_token_ids", t, "non-negative token ids")
+        if self.beam_width is not None:
+            if isinstance(self.beam_width, bool) or not isinstance(self.beam_width, int) \
+                    or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+                raise fail("beam_width", self.beam_width, f"an integer between 1 and {MAX_BEAM_WIDTH}")
+            if self.n > self.beam_width:
+                raise fail("n", self.n, f"at most beam_width={self.beam_width} (the best n beams are returned)")
+            if self.stop:
+                raise fail("stop", self.stop, "empty with beam search (stop_token_ids end beams)")
+        if not -10 <= number("length_penalty") <= 10:
+            raise fail("length_penalty", self.length_penalty, "in [-10, 10]")
+        if not isinstance(self.early_stopping, bool):
+            raise fail("early_stopping", self.early_stopping, "true or false")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)

@@ -22,6 +22,7 @@ import torch
 from nextoken.cache.block_manager import BlockManager
 from nextoken.config import EngineConfig
 from nextoken.engine.batch import DecodeBatch
+from nextoken.engine.beam import Beam, BeamGroup
 from nextoken.engine.inputs import InputProcessor, Limits
 from nextoken.engine.output import TextStream
 from nextoken.engine.request import Request, RequestOutput, RequestStatus
@@ -113,6 +114,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
+        self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by request id (engine/beam.py)
         self._ids = itertools.count()
         self.release_threads()  # the loading thread's: whichever thread steps next does not share the CPUs with them
 
@@ -137,6 +139,17 @@ class LLMEngine:
                                 f"whole pool holds {pool_tokens}")
         if len(self.scheduler.waiting) >= self.config.max_waiting:
             raise EngineBusy(f"the waiting queue is full ({self.config.max_waiting} requests)")
+        if params.beam_width is not None:
+            if params.beam_width * (num_prompt + params.max_tokens) > pool_tokens:
+                raise PromptTooLong(f"{params.beam_width} beams of {num_prompt + params.max_tokens} tokens need more "
+                                    f"KV cache than the whole pool holds ({pool_tokens} tokens)")
+            if request_id in self._beam_groups:
+                raise NextokenError(f"request id {request_id!r} is already in use")
+            root = Request(f"{request_id}#0", prompt_ids, BeamGroup.beam_params(params), self.eog_ids)
+            group = BeamGroup(request_id, params, list(prompt_ids), [Beam(root)])
+            self._beam_groups[request_id] = group
+            self.scheduler.add(root)
+            return request_id
         req = Request(request_id, prompt_ids, params, self.eog_ids)
         stream = TextStream(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                             params.include_stop_str_in_output)
@@ -146,6 +159,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its blocks; False if it is unknown or already finished."""
+        group = self._beam_groups.pop(request_id, None)
+        if group is not None:
+            for beam in group.beams:
+                self.scheduler.finish(beam.request, "abort")
+            return True
         live = self._live.pop(request_id, None)
         if live is None:
             return False
@@ -192,11 +210,18 @@ class LLMEngine:
         token_for = {i: k for k, (i, _) in enumerate(sampling)}
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
+        stepped: list[BeamGroup] = []
         for i, item in enumerate(scheduled):
             req = item.request
             self.scheduler.advance(item)
             live = self._live.get(req.request_id)
             if live is None:
+                group = self._beam_groups.get(req.request_id.partition("#")[0]) if "#" in req.request_id else None
+                if group is not None and i in token_for and result is not None:
+                    logprob = result.logprobs[token_for[i]]
+                    group.record(req, logprob[1] if logprob is not None else [])
+                    if group not in stepped:
+                        stepped.append(group)
                 continue
             span = batch.prompt_logprob_rows[i]
             if span is not None:
@@ -220,7 +245,28 @@ class LLMEngine:
             except Exception as exc:  # one request's detokenization or stop check must not take the batch down
                 log.error("request %s failed: %s", req.request_id, type(exc).__name__)
                 outputs.append(self._fail(live))
+        for group in stepped:
+            if group.ready():
+                outputs.extend(self._advance_beams(group))
         return outputs
+
+    def _advance_beams(self, group: BeamGroup) -> list[RequestOutput]:
+        """A beam search's step, once every live beam has its candidates; its result when it ends."""
+        if not group.advance(self.scheduler, self.block_manager, self.runner.copy_block, self.eog_ids):
+            return []
+        del self._beam_groups[group.request_id]
+        best = group.best()
+        first = best[0] if best else None
+        root = Request(group.request_id, group.prompt_ids, group.params, self.eog_ids)
+        root.beams = best
+        if first is not None:
+            root.output_ids = list(first.token_ids)
+        root.finish(first.finish_reason if first is not None else "stop")
+        return [RequestOutput(request_id=group.request_id, new_token_ids=root.output_ids,
+                              new_text=self.tokenizer.decode(root.output_ids,
+                                                             skip_special_tokens=group.params.skip_special_tokens),
+                              finished=True, finish_reason=root.finish_reason, num_prompt_tokens=len(root.prompt_ids),
+                              num_output_tokens=len(root.output_ids), request=root)]
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[SampleResult, set[int]]:
         """The rows' tokens, and the indices of rows whose sampling raised. The batch is drawn at once; should that

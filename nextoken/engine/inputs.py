@@ -70,6 +70,8 @@ def choices(params: SamplingParams, n: int | None = None) -> list[SamplingParams
     """The params of each of `n` choices (default params.n): choice i seeded with seed + i (mod 2^63), so each
     repeats on its own and none repeats another."""
     count = params.n if n is None else n
+    if params.beam_width is not None:  # one search returns the n best beams
+        return [params]
     if params.seed is None:
         return [params] * count
     return [params if i == 0 else replace(params, seed=(params.seed + i) % 2**63) for i in range(count)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -56,6 +57,7 @@ class Request:
         # Per prompt position i >= 1, when prompt_logprobs is asked: (log p of token i given those before it, its
         # rank among all tokens, 1 = the most likely); position 0 has none (nothing before it).
         self.prompt_token_logprobs: list[tuple[float, int] | None] = []
+        self.beams: list[Any] | None = None  # a finished beam search's best hypotheses (engine/beam.py)
 
     @property
     def num_tokens(self) -> int:

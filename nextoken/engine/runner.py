@@ -161,6 +161,14 @@ class ModelRunner:
                                 f"({block_bytes} bytes); raise kv_cache_bytes")
         return num_blocks
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy KV block `src` into `dst` in every layer (K, V and their scales): a forked beam's own copy of the
+        block it shares with its parent and is about to write (engine/beam.py)."""
+        for layer in self.kv_pool.layers:
+            for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+                if t is not None:
+                    t[dst].copy_(t[src])
+
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch | DecodeBatch, torch.Tensor]:
         """Run one forward pass over the scheduled chunks -> (the batch, fp32 logits [num_logits, vocab])."""
         self.settle(wait=False)

@@ -58,6 +58,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new == 0:  # nothing to compute yet: a beam waiting for the rest of its group (engine/beam.py)
+                i += 1
+                continue
             need = self.bm.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_table)
             while need > self.bm.num_free_blocks:
                 victim = self.running.pop()
