@@ -74,6 +74,15 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens already output")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence from tokens already output")
+    p.add_argument("--beam-width", type=int, default=None, metavar="W",
+                   help="beam search with W beams instead of sampling (prints the best beam when it ends)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam search: scores are cumulative log-probability / length ** this")
+    p.add_argument("--early-stopping", action="store_true",
+                   help="beam search: stop as soon as W hypotheses are finished")
 
 
 def _sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
@@ -81,7 +90,9 @@ def _sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                           top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed, stop=tuple(args.stop), **extra)
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          seed=args.seed, stop=tuple(args.stop), beam_width=args.beam_width,
+                          length_penalty=args.length_penalty, early_stopping=args.early_stopping, **extra)
 
 
 def _load_text_side(model: str) -> Any:
@@ -231,6 +242,11 @@ def cmd_run(args: argparse.Namespace) -> int:
                       "total_tokens": len(ids) + len(token_ids)},
             "timings": request_timings(req),
         }
+        if req.beams is not None:
+            result["beams"] = [{"token_ids": h.token_ids,
+                                "text": llm.tokenizer.decode(h.token_ids, skip_special_tokens=True),
+                                "cumulative_logprob": h.cumulative_logprob, "finish_reason": h.finish_reason}
+                               for h in req.beams]
         if args.prompt_logprobs is not None:
             result["prompt_logprobs"] = [[[i, lp] for i, lp in row] for row in req.prompt_logprobs]
             # Each prompt token's own [log p, rank] given those before it (null for the first).
@@ -362,7 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="nextoken", description="An LLM inference engine that shows its work.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    p = sub.add_parser("run", help="answer one prompt, streaming the text")
+    p = sub.add_parser("run", help="answer one prompt, streaming the text",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
     _add_engine(p)
     _add_sampling(p)
@@ -377,7 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a reasoning model answers without its thinking section (the template's enable_thinking)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)")
+    p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_engine(p)
     _add_sampling(p)
     p.add_argument("--system", default=None)

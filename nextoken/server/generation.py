@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from nextoken.engine.async_engine import SubRequest
@@ -60,6 +60,8 @@ class Job:
     # are all content).
     thinking: list[bool] | None = None
     echo: bool = False  # completions: the prompt before each choice's text (and its scores, with logprobs)
+    per_prompt: int = 1  # engine requests per prompt: n, best_of (sampled, the best n returned) or 1 (a beam search)
+    beam: bool = False  # the choices are a beam search's n best beams
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -121,17 +123,22 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
             param = "n" if n > 1 else prompt_param
             raise ApiError(400, f"n={n} choices for {len(prompts)} prompt(s) make {len(prompts) * n} requests, more "
                                 f"than the {queue} the waiting queue holds (--max-waiting)", param=param)
+        best_of = getattr(request, "best_of", None) or n
         for p, ids in enumerate(prompts):
             max_tokens = inputs.fit(ids, asked, param=prompt_param)  # asked, or --max-tokens-default within room
-            for i, params in enumerate(choices(request.sampling_params(max_tokens, request.seed), n)):
-                subrequests.append(SubRequest(f"{response_id}-{p}-{i}", ids, params))
+            params = request.sampling_params(max_tokens, request.seed)
+            if best_of > n and params.logprobs is None:
+                params = replace(params, logprobs=0)  # the chosen tokens' log-probabilities rank the candidates
+            for i, choice_params in enumerate(choices(params, best_of)):
+                subrequests.append(SubRequest(f"{response_id}-{p}-{i}", ids, choice_params))
     except NextokenError as exc:
         raise api_error_from(exc) from None
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Job(kind=kind, response_id=response_id, model=engine.model_name, prompts=prompts, n=n,
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
                logprobs=subrequests[0].params.logprobs, thinking=thinking,
-               echo=isinstance(request, CompletionRequest) and bool(request.echo))
+               echo=isinstance(request, CompletionRequest) and bool(request.echo),
+               per_prompt=len(subrequests) // len(prompts), beam=request.beam_width is not None)
 
 
 @dataclass
@@ -146,6 +153,7 @@ class _Choice:
     content: list[str] = field(default_factory=list)
     last_split: tuple[str, str] = ("", "")  # the latest output's (reasoning, content)
     echoed: bool = False  # its prompt was sent (echo)
+    beams: list[Any] | None = None  # a beam search's n best hypotheses
 
 
 class Choices:
@@ -157,14 +165,14 @@ class Choices:
         self.choices = [_Choice() for _ in job.requests]
         if job.thinking is not None:
             for i, choice in enumerate(self.choices):
-                choice.splitter = ReasoningSplitter(job.thinking[i // job.n])
+                choice.splitter = ReasoningSplitter(job.thinking[i // job.per_prompt])
 
     def add(self, index: int, out: RequestOutput) -> None:
         choice = self.choices[index]
         if choice.first_token_at is None and out.new_token_ids:
             choice.first_token_at = time.perf_counter()
         if self.job.echo and not choice.text:  # the first output: the prompt comes first
-            ids = self.job.prompts[index // self.job.n]
+            ids = self.job.prompts[index // self.job.per_prompt]
             choice.text.append(self.engine.tokenizer.decode(ids))
             if self.job.logprobs is not None and out.request is not None:
                 req = out.request
@@ -182,9 +190,11 @@ class Choices:
         choice.num_tokens = out.num_output_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason
-        if self.job.logprobs is not None:
+        if self.job.logprobs is not None or self.job.per_prompt > self.job.n:  # asked, or ranking best_of
             for token_id, (chosen, top) in zip(out.new_token_ids, out.new_logprobs):
                 choice.token_logprobs.append((token_id, chosen, top))
+        if out.finished and out.request is not None and out.request.beams is not None:
+            choice.beams = out.request.beams
 
     @staticmethod
     def _message(choice: _Choice) -> AssistantMessage:
@@ -198,13 +208,42 @@ class Choices:
         completion = sum(c.num_tokens for c in self.choices)
         return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
+    def returned(self) -> list[_Choice]:
+        """The response's choices: as computed; a beam search's beams; or the best n of each prompt's best_of by
+        log-probability per token."""
+        job = self.job
+        if job.beam:
+            decode = self.engine.tokenizer.decode
+            out = []
+            for index, c in enumerate(self.choices):
+                for h in c.beams or []:
+                    beam = _Choice(text=[decode(h.token_ids, skip_special_tokens=True)], num_tokens=len(h.token_ids),
+                                   finish_reason=h.finish_reason)
+                    if job.thinking is not None:
+                        beam.splitter = ReasoningSplitter(job.thinking[index // job.per_prompt])
+                        reasoning, content = beam.splitter.feed(beam.text[0])
+                        more = beam.splitter.finish()
+                        beam.reasoning, beam.content = [reasoning + more[0]], [content + more[1]]
+                    out.append(beam)
+            return out
+        if job.per_prompt == job.n:
+            return self.choices
+        out = []
+        for p in range(len(job.prompts)):
+            group = self.choices[p * job.per_prompt:(p + 1) * job.per_prompt]
+            mean = [sum(lp for _, lp, _ in c.token_logprobs) / max(len(c.token_logprobs), 1) for c in group]
+            order = sorted(range(len(group)), key=lambda k: mean[k], reverse=True)[:job.n]
+            out += [group[k] for k in order]
+        return out
+
     def response(self) -> dict[str, Any]:
         job = self.job
+        returned = self.returned()
         if job.kind == "chat":
             body = ChatCompletionResponse(
                 id=job.response_id, created=job.created, model=job.model, usage=self.usage(),
                 choices=[ChatChoice(index=i, message=self._message(c), logprobs=self._chat_logprobs(c.token_logprobs),
-                                    finish_reason=c.finish_reason) for i, c in enumerate(self.choices)]
+                                    finish_reason=c.finish_reason) for i, c in enumerate(returned)]
             ).model_dump()
             for choice in body["choices"]:  # other models' messages carry no reasoning field
                 if choice["message"]["reasoning_content"] is None:
@@ -214,7 +253,7 @@ class Choices:
             id=job.response_id, created=job.created, model=job.model, usage=self.usage(),
             choices=[CompletionChoice(index=i, text="".join(c.text), finish_reason=c.finish_reason,
                                       logprobs=self._completion_logprobs(c.token_logprobs))
-                     for i, c in enumerate(self.choices)]
+                     for i, c in enumerate(returned)]
         ).model_dump()
 
     def role_chunk(self) -> dict[str, Any] | None:
@@ -230,7 +269,7 @@ class Choices:
         choice = self.choices[index]
         if self.job.echo and not choice.echoed:  # the echoed prompt rides on the first chunk
             choice.echoed = True
-            num_new += len(self.job.prompts[index // self.job.n]) if self.job.logprobs is not None else 0
+            num_new += len(self.job.prompts[index // self.job.per_prompt]) if self.job.logprobs is not None else 0
             out = RequestOutput(out.request_id, out.new_token_ids, choice.text[0] + out.new_text, out.finished,
                                 out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, out.new_logprobs,
                                 out.request)

@@ -2,7 +2,7 @@
 /tokenize and /detokenize.
 
 Request models are strict and closed: a field nextoken does not implement (tools, response_format, logit_bias,
-best_of, suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
+suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
 (no "5" for 5). `user` is accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on
 generation, and nextoken neither uses nor logs it. Extensions beyond OpenAI's fields, with vLLM's names: top_k,
 min_p, repetition_penalty, ignore_eos, stop_token_ids; and special_tokens (a text prompt's special-token text as
@@ -67,6 +67,10 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[Int] | None = None
+    # Extensions: beam search (engine/beam.py) instead of sampling; the n best beams are the choices.
+    beam_width: Int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
 
     @property
     def num_choices(self) -> int:
@@ -84,6 +88,8 @@ class _GenerationRequest(_Request):
             raise ApiError(400, "stream_options is only allowed together with stream=true", param="stream_options")
         if not 1 <= self.num_choices <= MAX_N:
             raise ApiError(400, f"invalid n={self.n}: must be between 1 and {MAX_N}", param="n")
+        if self.beam_width is not None and self.stream:
+            raise ApiError(400, "beam search gives its beams when it ends: it cannot stream", param="stream")
 
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """The params of one engine request (one choice): n is fanned out by the server, `seed` is per choice."""
@@ -97,13 +103,27 @@ class _GenerationRequest(_Request):
             repetition_penalty=given(self.repetition_penalty, 1.0),
             presence_penalty=given(self.presence_penalty, 0.0), frequency_penalty=given(self.frequency_penalty, 0.0),
             seed=seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=given(self.ignore_eos, False), logprobs=self.num_logprobs())
+            ignore_eos=given(self.ignore_eos, False), logprobs=self.num_logprobs(), beam_width=self.beam_width,
+            n=self.num_choices if self.beam_width is not None else 1,
+            length_penalty=given(self.length_penalty, 1.0), early_stopping=given(self.early_stopping, False))
 
 
 class CompletionRequest(_GenerationRequest):
     prompt: Prompt
     logprobs: Int | None = None
     echo: bool | None = None  # the prompt before the completion, with its tokens' log-probabilities when asked
+    best_of: Int | None = None  # sampled server-side; the n with the highest log-probability per token returned
+
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None:
+            if not self.num_choices <= self.best_of <= MAX_N:
+                raise ApiError(400, f"invalid best_of={self.best_of}: must be between n={self.num_choices} and "
+                                    f"{MAX_N}", param="best_of")
+            if self.stream and self.best_of > self.num_choices:
+                raise ApiError(400, "best_of > n cannot stream: the best are known only at the end", param="best_of")
+            if self.beam_width is not None:
+                raise ApiError(400, "best_of samples; beam_width searches: give one of them", param="best_of")
     # Extension: whether special-token text in a text prompt ("<|im_end|>") becomes control tokens. Default false:
     # a raw prompt is text, as chat contents are; token-id prompts are taken as they are either way.
     special_tokens: bool | None = None

@@ -170,3 +170,36 @@ def test_echo_scores_the_prompt(client: openai.OpenAI, server: ServerProcess) ->
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=server.model, prompt=prompt, max_tokens=3, temperature=0, echo=True, stream=True) if c.choices)
     assert streamed == choice.text
+
+
+def test_best_of_returns_the_likeliest_samples(client: openai.OpenAI, server: ServerProcess) -> None:
+    """best_of 4, n 2: four sampled completions, the two with the highest log-probability per token returned (the
+    same seeds give the same four: they are the four of n=4)."""
+    prompt = [5, 9, 17, 33]
+    common = dict(model=server.model, prompt=prompt, max_tokens=6, temperature=1.0, seed=7, logprobs=0)
+    four = client.completions.create(n=4, **common).choices
+    best = client.completions.create(n=2, best_of=4, **common).choices
+    mean = sorted((sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs), c.text) for c in four)
+    assert [c.text for c in best] == [text for _, text in reversed(mean[-2:])]
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(n=3, best_of=2, **common)
+
+
+def test_beam_search_returns_the_n_best_beams(server: ServerProcess) -> None:
+    body = {"model": server.model, "prompt": [5, 9, 17, 33], "max_tokens": 6, "beam_width": 3, "n": 2,
+            "ignore_eos": True}
+    r = httpx.post(server.base_url + "/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and choices[0]["text"] != choices[1]["text"]
+    greedy = httpx.post(server.base_url + "/completions", json={**body, "beam_width": 1, "n": 1}, timeout=30).json()
+    plain = httpx.post(server.base_url + "/completions", timeout=30,
+                       json={"model": server.model, "prompt": [5, 9, 17, 33], "max_tokens": 6, "temperature": 0,
+                             "ignore_eos": True}).json()
+    assert greedy["choices"][0]["text"] == plain["choices"][0]["text"]
+    streamed = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=30)
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    chat = httpx.post(server.base_url + "/chat/completions", timeout=30, json={
+        "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "beam_width": 2,
+        "n": 2}).json()
+    assert len(chat["choices"]) == 2 and chat["usage"]["completion_tokens"] > 0

@@ -70,7 +70,7 @@ def test_invalid_chat_fields_are_400_naming_the_field(server: ServerProcess, fie
 
 
 def test_completions_only_fields_and_length_limits(client: openai.OpenAI, server: ServerProcess) -> None:
-    for extra in ({"best_of": 2}, {"suffix": "x"}):
+    for extra in ({"suffix": "x"},):
         with pytest.raises(openai.BadRequestError) as exc:
             client.completions.create(model=server.model, prompt="hi", max_tokens=2, **extra)
         assert _error(exc)["param"] == next(iter(extra))
