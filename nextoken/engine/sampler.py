@@ -9,7 +9,8 @@ The draw is defined in exact arithmetic, so that every route gives the same toke
 u: nt_sample_rows for fp32 rows on the CPU (its AVX-512, AVX2 and plain C builds alike), ops/sampling.py in torch
 for the rest (CUDA, no kernels). For a row l [N] (fp32, penalized), T > 0, top_k (0: off), top_p (1: off) and
 min_p (0: off), in fp64:
-  a. top = max l. With a NaN, or no finite top, the draw is the argmax (the first NaN; token 0 for a row of -inf).
+  a. top = max l. With a NaN, no finite top, or no finite 1 / T, the draw is the argmax (the first NaN; token 0 for a
+     row of -inf).
   b. x_i = ((double) l_i - top) * inv_t, inv_t = 1 / T.
   c. w_i = floor(E(x_i) 2^Q) 2^-Q, and 0 where x_i < -24; Q = 34 up to 2^19 tokens, one less per doubling past
      that. E is a fixed sequence of fp64 operations, each rounded on its own (no FMA, no libm): n = x log2(e)
@@ -23,6 +24,7 @@ min_p (0: off), in fp64:
   g. min-p (> 0): keep the tokens with w_i >= min_p (the best weighs exactly 1).
   h. S = the kept weight; the token is the first kept one, by ascending id, whose running sum exceeds u * S: never
      one of weight 0.
+Why that is exact on every route, the fast paths that keep it, and what it costs: docs/exactness.md.
 Log-probabilities are those of the raw model distribution (log_softmax of the unmodified logits).
 """
 
