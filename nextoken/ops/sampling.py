@@ -95,29 +95,55 @@ def _blocks(rows: int, vocab: int, size: int) -> Iterator[tuple[slice, slice]]:
             yield slice(r, r + step_rows), slice(c, c + step_cols)
 
 
-def _weights(logits: torch.Tensor, top: torch.Tensor, inv_t: torch.Tensor, bits: int, skip: torch.Tensor,
-             least: torch.Tensor) -> torch.Tensor:
-    """Every token's weight [rows, vocab] (fp64 integers), 0 below the row's `least`. Logits below the row's `skip`
-    (fp32) weigh 0 (their x is below the cut) or are dropped by `least`: on the CPU, where most are, only the others
-    are weighed."""
+def _sparse_weights(logits: torch.Tensor, top: torch.Tensor, inv_t: torch.Tensor, bits: int, skip: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """On the CPU, where most logits lie below their row's `skip` (fp32: every one below has x under the cut, or is
+    dropped by min-p): (rows, cols, weights) of the others, row by row in id order. None elsewhere."""
+    if logits.device.type != "cpu":
+        return None
+    live = logits >= skip[:, None]
+    if 4 * int(live.sum()) >= live.numel():
+        return None
+    at = live.nonzero()
+    x = (logits[live].double() - top.double()[at[:, 0]]) * inv_t[at[:, 0]]
+    size = BLOCK["cpu"]
+    for i in range(0, x.numel(), size):
+        x[i:i + size] = weigh_(x[i:i + size], bits)
+    return at[:, 0], at[:, 1], x
+
+
+def _dense_weights(logits: torch.Tensor, top: torch.Tensor, inv_t: torch.Tensor, bits: int) -> torch.Tensor:
+    """Every token's weight [rows, vocab] (fp64 integers), in blocks."""
     rows, vocab = logits.shape
+    out = torch.empty(rows, vocab, dtype=torch.float64, device=logits.device)
     top = top.double()
-    size = BLOCK.get(logits.device.type, DEVICE_BLOCK)
-    live = logits >= skip[:, None] if logits.device.type == "cpu" else None
-    if live is not None and 4 * int(live.sum()) < live.numel():
-        row = live.nonzero()[:, 0]
-        x = (logits[live].double() - top[row]) * inv_t[row]
-        for i in range(0, x.numel(), size):
-            x[i:i + size] = weigh_(x[i:i + size], bits)
-        out = torch.zeros(rows, vocab, dtype=torch.float64, device=logits.device)
-        out[live] = x
-    else:
-        out = torch.empty(rows, vocab, dtype=torch.float64, device=logits.device)
-        for r, c in _blocks(rows, vocab, size):
-            out[r, c] = weigh_((logits[r, c].double() - top[r, None]) * inv_t[r, None], bits)
-    if bool((least > 0).any()):
-        out.masked_fill_(out < least[:, None], 0.0)
+    for r, c in _blocks(rows, vocab, BLOCK.get(logits.device.type, DEVICE_BLOCK)):
+        out[r, c] = weigh_((logits[r, c].double() - top[r, None]) * inv_t[r, None], bits)
     return out
+
+
+def _weights(logits: torch.Tensor, top: torch.Tensor, inv_t: torch.Tensor, bits: int, skip: torch.Tensor
+             ) -> torch.Tensor:
+    """Every token's weight [rows, vocab]: on the CPU only those at or above the row's `skip` where most are below
+    it (_sparse_weights), else all (_dense_weights)."""
+    sparse = _sparse_weights(logits, top, inv_t, bits, skip)
+    if sparse is None:
+        return _dense_weights(logits, top, inv_t, bits)
+    out = torch.zeros(logits.shape, dtype=torch.float64, device=logits.device)
+    out[sparse[0], sparse[1]] = sparse[2]
+    return out
+
+
+def _walk_sparse(rows: torch.Tensor, cols: torch.Tensor, weights: torch.Tensor, uniforms: torch.Tensor
+                 ) -> torch.Tensor:
+    """_walk over the weights of (rows, cols) (_sparse_weights' order; every row of `uniforms` holds some): each
+    row's col. One running sum over all of them, in int64 (exact: below 2^63), each row's part found past its base."""
+    running = weights.to(torch.int64).cumsum(dim=0)
+    ends = torch.bincount(rows, minlength=uniforms.numel()).cumsum(dim=0)
+    base = torch.cat([running.new_zeros(1), running[ends[:-1] - 1]])
+    target = uniforms * (running[ends - 1] - base).double()  # u times the row's sum, an fp64 product
+    # the first running sum above the target: an integer exceeds target where it exceeds floor(target)
+    return cols[torch.searchsorted(running, base + target.floor().to(torch.int64), right=True)]
 
 
 def _walk(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -210,6 +236,11 @@ def _ranked(logits: torch.Tensor, top: torch.Tensor, rows: _Rows, total: torch.T
     return ids, torch.zeros_like(kept).scatter_(1, order, kept), held
 
 
+def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t's rows `rows` (distinct, increasing): t itself, not a gathered copy, when that is all of them."""
+    return t if rows.numel() == t.shape[0] else t[rows]
+
+
 def _row_chunks(rows: torch.Tensor, vocab: int) -> list[torch.Tensor]:
     """rows (indices) in chunks of at most DEVICE_BLOCK entries of [rows, vocab]."""
     step = max(1, DEVICE_BLOCK // vocab)
@@ -230,7 +261,7 @@ def kept_weights(logits: torch.Tensor, temperature: list[float], top_k: list[int
     everything = torch.arange(num, device=logits.device)
     for rows in _row_chunks(everything, vocab):
         p = params.take(rows)
-        total = _weights(logits[rows], top[rows], p.inv_t, bits, p.skip_all, torch.zeros_like(p.least)).sum(dim=1)
+        total = _weights(logits[rows], top[rows], p.inv_t, bits, p.skip_all).sum(dim=1)
         out[rows] = _ranked(logits[rows], top[rows], p, total, vocab, bits)[1]
     for i, weighable in enumerate(params.weighable):
         if not weighable:
@@ -258,22 +289,30 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
     weighable = torch.tensor(params.weighable, device=dev)
     ranked = weighable & (params.by_k | params.by_p)
     for rows in _row_chunks((weighable & ~ranked).nonzero()[:, 0], vocab):
-        p = params.take(rows)
-        tokens[rows] = _walk(_weights(logits[rows], top[rows], p.inv_t, bits, p.skip, p.least), u[rows])
+        p, part = params.take(rows), _take(logits, rows)
+        sparse = _sparse_weights(part, top[rows], p.inv_t, bits, p.skip)
+        if sparse is None:
+            w = _dense_weights(part, top[rows], p.inv_t, bits)
+            tokens[rows] = _walk(w.masked_fill_(w < p.least[:, None], 0.0), u[rows])
+        else:
+            at, cols, w = sparse
+            tokens[rows] = _walk_sparse(at, cols, w.masked_fill_(w < p.least[at], 0.0), u[rows])
     left = ranked.nonzero()[:, 0]
     if not left.numel():
         return tokens.tolist()
     # top-p without top-k normalizes over the whole row
     total = torch.zeros(num, dtype=torch.float64, device=dev)
     for rows in _row_chunks((ranked & ~params.by_k).nonzero()[:, 0], vocab):
-        p = params.take(rows)
-        total[rows] = _weights(logits[rows], top[rows], p.inv_t, bits, p.skip_all, torch.zeros_like(p.least)).sum(1)
+        p, part = params.take(rows), _take(logits, rows)
+        sparse = _sparse_weights(part, top[rows], p.inv_t, bits, p.skip_all)
+        total[rows] = (_dense_weights(part, top[rows], p.inv_t, bits).sum(dim=1) if sparse is None else
+                       torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, sparse[0], sparse[2]))
     counts = [c for c in (CANDIDATES, WIDE_CANDIDATES) if (4 if c == WIDE_CANDIDATES else 1) * c < vocab] + [vocab]
     for count in counts:
         chunks = _row_chunks(left, vocab) if count == vocab else [left]
         unheld = []
         for rows in chunks:
-            ids, kept, held = _ranked(logits[rows], top[rows], params.take(rows), total[rows], count, bits)
+            ids, kept, held = _ranked(_take(logits, rows), top[rows], params.take(rows), total[rows], count, bits)
             picks = ids.gather(1, _walk(kept, u[rows])[:, None])[:, 0]
             tokens[rows[held]] = picks[held]
             unheld.append(rows[~held])
