@@ -241,9 +241,9 @@ def _take(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return t if rows.numel() == t.shape[0] else t[rows]
 
 
-def _row_chunks(rows: torch.Tensor, vocab: int) -> list[torch.Tensor]:
-    """rows (indices) in chunks of at most DEVICE_BLOCK entries of [rows, vocab]."""
-    step = max(1, DEVICE_BLOCK // vocab)
+def _row_chunks(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
+    """rows (indices) in chunks of about a block (BLOCK, DEVICE_BLOCK) of entries of [rows, width]: whole rows."""
+    step = max(1, BLOCK.get(rows.device.type, DEVICE_BLOCK) // width)
     return [rows[i:i + step] for i in range(0, rows.numel(), step)]
 
 
@@ -309,9 +309,8 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
                        torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, sparse[0], sparse[2]))
     counts = [c for c in (CANDIDATES, WIDE_CANDIDATES) if (4 if c == WIDE_CANDIDATES else 1) * c < vocab] + [vocab]
     for count in counts:
-        chunks = _row_chunks(left, vocab) if count == vocab else [left]
         unheld = []
-        for rows in chunks:
+        for rows in _row_chunks(left, count):
             ids, kept, held = _ranked(_take(logits, rows), top[rows], params.take(rows), total[rows], count, bits)
             picks = ids.gather(1, _walk(kept, u[rows])[:, None])[:, 0]
             tokens[rows[held]] = picks[held]

@@ -207,22 +207,25 @@ def test_invalid_params_name_the_field(field: str, value: object) -> None:
 
 
 def grid_frequencies(lib: Any, row: torch.Tensor, p: tuple[float, int, float, float], n: int) -> np.ndarray:
-    """How often each token comes out at n evenly spaced uniforms: the inverse CDF splits [0, 1) into one interval
-    per token, as long as its probability, so each count is n times the probability, within 1."""
-    temperature, top_k, top_p, min_p = p
+    """How often each token comes out at n evenly spaced uniforms, through the kernels `lib` (None: the torch route):
+    the inverse CDF splits [0, 1) into one interval per token, as long as its probability, so each count is n times
+    the probability, within 1."""
     logits = row.expand(n, -1)  # one row read n times (row stride 0)
     uniforms = ((np.arange(n) + 0.5) / n).tolist()
-    tokens = native.sample_rows(lib, logits, [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n, uniforms)
+    per_row = [[v] * n for v in p]
+    tokens = sampling.sample_rows(logits, *per_row, uniforms) if lib is None else \
+        native.sample_rows(lib, logits, *per_row, uniforms)
     return np.bincount(tokens, minlength=row.shape[0]) / n
 
 
-@needs_native
-@pytest.mark.parametrize("vocab", [3000, 262_144])
-def test_native_draws_follow_the_filtered_distribution(vocab: int) -> None:
-    """nt_sample_rows against the reference filter on peaked and flat rows, for each filter alone and combined
-    (top-p over a top-k, min-p under both, a nucleus past the first candidates): the draws at evenly spaced uniforms
-    land on each token as often as its probability, and never on a token the filters drop."""
-    lib = native.library()
+@pytest.mark.parametrize(("route", "vocab"), [pytest.param("native", 3000, marks=needs_native),
+                                              pytest.param("native", 262_144, marks=needs_native),
+                                              ("torch", 3000)])
+def test_draws_follow_the_filtered_distribution_on_a_grid(route: str, vocab: int) -> None:
+    """nt_sample_rows and the torch route against the reference filter on peaked and flat rows, for each filter alone
+    and combined (top-p over a top-k, min-p under both, a nucleus past the first candidates): the draws at evenly
+    spaced uniforms land on each token as often as its probability, and never on a token the filters drop."""
+    lib = native.library() if route == "native" else None
     gen = torch.Generator().manual_seed(13)
     peaked = torch.randn(vocab, generator=gen) * 4
     flat = torch.randn(vocab, generator=gen) * 0.1
@@ -232,7 +235,7 @@ def test_native_draws_follow_the_filtered_distribution(vocab: int) -> None:
              (peaked, (1.0, 100, 1.0, 0.5)), (flat, (0.05, 0, 0.4, 0.0)), (peaked, (1.0, 5, 0.5, 0.3))]
     if vocab > 10_000:  # the same paths; the flat nucleus (a sort of most of the row) only in the small vocabulary
         cases = [c for c in cases if c[0] is peaked or c[1][3] > 0.5 or c[1][0] < 0.1 or c[1][2] == 1.0]
-    n = 1000 if vocab > 10_000 else 10_000
+    n = 1000 if vocab > 10_000 or lib is None else 10_000
     for row, p in cases:
         want = reference_distribution(row.double().numpy(), *p)
         got = grid_frequencies(lib, row, p, n)
