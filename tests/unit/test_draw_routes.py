@@ -260,8 +260,19 @@ def test_candidates_widen_to_what_the_whole_row_draws(monkeypatch: pytest.Monkey
 
 
 def test_large_vocabularies_weigh_in_fewer_bits() -> None:
-    """Past 2^19 tokens a weight has one bit less per doubling, so that a row's sum stays within 2^53."""
+    """Past 2^19 tokens a weight has one bit less per doubling, so that a row's sum stays within 2^53: a row of
+    2^19 + 3 nearly equal logits (every weight near 2^33, the sum near 2^52) draws alike on both routes."""
     assert [sampling.draw_bits(n) for n in (1, 2**19, 2**19 + 1, 2**20, 2**21 + 1)] == [34, 34, 33, 33, 31]
+    kernels = native.library()
+    if kernels is None:
+        return
+    row = torch.randn(2**19 + 3, generator=torch.Generator().manual_seed(8)) * 1e-3
+    uniforms = [0.0, 0.3, 0.7, 1 - 2**-53]
+    n = len(uniforms)
+    for p in ((1e6, 0, 1.0, 0.0), (1.0, 0, 0.5, 0.0)):
+        logits, per_row = row.expand(n, -1), [[v] * n for v in p]
+        assert native.sample_rows(kernels, logits, *per_row, uniforms) == sampling.sample_rows(logits, *per_row,
+                                                                                               uniforms)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -186,17 +186,20 @@ static float draw_skip_below(float top, double temperature, double inv_t, double
     return -INFINITY;
 }
 
-/* The weights of tokens [from, to) of l into w; returns their sum. The vector lanes take whole groups of tokens,
- * skipping those whose logits all lie below `skip` (x below DRAW_CUT), and weigh x below DRAW_CUT as x = DRAW_CUT:
- * E(-24) 2^34 < 0.65 floors to 0, the definition's weight there. */
-static double weights_of(const float *l, int64_t from, int64_t to, float top, double inv_t, float skip, int bits,
-                         double *w) {
+/* Every token's weight into w [n]; returns their sum. The vector lanes take whole groups of tokens, skipping those
+ * whose logits all lie below draw_skip_below's (x below DRAW_CUT), and weigh x below DRAW_CUT as x = DRAW_CUT:
+ * E(-24) 2^34 < 0.65 floors to 0, the definition's weight there. One thread: splitting a lone row would halve this
+ * with a second core free, but where that core is busy a parallel region waits a scheduler tick (9 ms against
+ * 0.2 ms, measured on a shared 2-core VM). */
+static double row_weights(const float *l, int64_t n, float top, double temperature, double inv_t, int bits,
+                          double *w) {
+    const float skip = draw_skip_below(top, temperature, inv_t, DRAW_CUT);
     double total = 0.0;
-    int64_t i = from;
+    int64_t i = 0;
 #ifdef LANES
     const lanes_t vt = L_SET((double)top), vs = L_SET(inv_t), low = L_SET(DRAW_CUT), bias = L_SET(DRAW_BIAS + bits);
     lanes_t acc = L_SET(0.0);
-    for (; i + GROUP_TOKENS <= to; i += GROUP_TOKENS) {
+    for (; i + GROUP_TOKENS <= n; i += GROUP_TOKENS) {
         if (!group_reaches(l + i, skip)) {
             for (int j = 0; j < DRAW_GROUP; j++) L_STORE(w + i + j * LANES, L_SET(0.0));
             continue;
@@ -209,27 +212,9 @@ static double weights_of(const float *l, int64_t from, int64_t to, float top, do
     total = lanes_sum(acc);
 #endif
     const double unit = ldexp(1.0, bits);
-    for (; i < to; i++) {
+    for (; i < n; i++) {
         const double x = ((double)l[i] - (double)top) * inv_t;
         total += w[i] = l[i] >= skip && x >= DRAW_CUT ? floor(draw_exp(x) * unit) : 0.0;
-    }
-    return total;
-}
-
-#define SPLIT_ROW 32768 /* rows of at least this many tokens are weighed by several threads where they have them */
-
-/* Every token's weight into w [n] (weights_of), on up to `threads` threads; returns their sum (exact, whatever the
- * split). */
-static double row_weights(const float *l, int64_t n, float top, double temperature, double inv_t, int bits, double *w,
-                          int threads) {
-    const float skip = draw_skip_below(top, temperature, inv_t, DRAW_CUT);
-    const int parts = threads > 1 && n >= SPLIT_ROW ? threads : 1;
-    const int64_t chunk = (n / parts + 64) / 64 * 64; /* whole groups of tokens */
-    double total = 0.0;
-#pragma omp parallel for num_threads(parts) reduction(+ : total) schedule(static) if (parts > 1)
-    for (int part = 0; part < parts; part++) {
-        const int64_t from = part * chunk < n ? part * chunk : n, to = from + chunk < n ? from + chunk : n;
-        total += weights_of(l, from, to, top, inv_t, skip, bits, w);
     }
     return total;
 }
@@ -416,13 +401,12 @@ static const double RANK_CUTS[] = {-4.605170185988091, -11.512925464970229, -18.
  * top-p, min-p and the walk in id order. With top-k only the top-k set is weighed; top-p alone weighs the whole row
  * first (it normalizes over it). */
 static int64_t ranked_draw(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
-                           double top_p, double least, int bits, double cut, double u, const draw_scratch *s,
-                           int threads) {
+                           double top_p, double least, int bits, double cut, double u, const draw_scratch *s) {
     const int by_k = top_k > 0, by_p = top_p < 1.0;
     const size_t num_cuts = sizeof RANK_CUTS / sizeof *RANK_CUTS;
     ranked *r = s->r;
     /* what top-p normalizes over: the whole row's weight, or the top-k set's (below) */
-    double total = by_k ? 0.0 : row_weights(l, n, top, temperature, inv_t, bits, s->w, threads);
+    double total = by_k ? 0.0 : row_weights(l, n, top, temperature, inv_t, bits, s->w);
     int64_t m = 0;
     for (size_t step = 0;; step++) {
         const double at_least = step < num_cuts && RANK_CUTS[step] > cut ? RANK_CUTS[step] : cut;
@@ -462,10 +446,9 @@ static int64_t ranked_draw(const float *l, int64_t n, float top, double temperat
 }
 
 /* One row's draw (engine/sampler.py's definition): temperature, top-k (0: none), top-p (1: none) over the top-k set,
- * min-p (0: none), then the token at u in [0, 1) of the kept weights in id order; the row's weights on up to
- * `threads` threads. */
+ * min-p (0: none), then the token at u in [0, 1) of the kept weights in id order. */
 static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
-                          double u, const draw_scratch *s, int threads) {
+                          double u, const draw_scratch *s) {
     int nan = 0;
     const float top = row_top(l, n, &nan);
     const double inv_t = 1.0 / temperature;
@@ -479,7 +462,7 @@ static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t
     double cut = DRAW_CUT;
     if (by_min && !by_p && log(min_p) - 0.01 > cut) cut = log(min_p) - 0.01;
     if (by_k || by_p)
-        return ranked_draw(l, n, top, temperature, inv_t, by_k ? top_k : 0, top_p, least, bits, cut, u, s, threads);
+        return ranked_draw(l, n, top, temperature, inv_t, by_k ? top_k : 0, top_p, least, bits, cut, u, s);
     if (by_min) { /* its own tokens, gathered: min-p keeps few */
         const int64_t m = draw_candidates(l, n, top, temperature, inv_t, cut, s->x, s->id);
         double total = 0.0;
@@ -487,12 +470,12 @@ static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t
         for (int64_t j = 0; j < m; j++) total += s->w[j] = s->w[j] >= least ? s->w[j] : 0.0;
         return s->id[draw_walk(s->w, m, u * total)];
     }
-    return draw_walk(s->w, n, u * row_weights(l, n, top, temperature, inv_t, bits, s->w, threads));
+    return draw_walk(s->w, n, u * row_weights(l, n, top, temperature, inv_t, bits, s->w));
 }
 
 /* Per row r of logits [M, N] (row stride ld, N < 2^31), the token drawn at uniforms[r] in [0, 1) after
- * temperature[r], top_k[r], top_p[r] and min_p[r] (sample_row), into out[r]; rows split across threads, or a lone
- * row's weights. Returns -1 without memory. */
+ * temperature[r], top_k[r], top_p[r] and min_p[r] (sample_row), into out[r]; rows split across threads. Returns -1
+ * without memory. */
 int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
                    const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
                    int64_t *out, int threads) {
@@ -511,7 +494,7 @@ int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const 
         for (int64_t r = 0; r < M; r++)
             if (ok)
                 out[r] = sample_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r],
-                                    &s, M == 1 ? threads : 1);
+                                    &s);
         free(s.x), free(s.w), free(s.id), free(s.r);
     }
     return failed ? -1 : 0;
