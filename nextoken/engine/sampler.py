@@ -1,21 +1,30 @@
 """The sampler: logits [num_seqs, vocab] -> one token id per sequence, plus log-probabilities when asked. It makes
 every sampling decision, from whether a step needs more than its rows' argmax (`argmax_only`) to the draw.
 
-Stage order, each stage skipped when no row of the batch uses it:
-  1. penalties (repetition over prompt + output; presence and frequency over output)
-  2. greedy rows (temperature 0): argmax of the penalized logits, done
-  3. temperature: logits / T
-  4. top-k: keep the k largest
-  5. top-p: keep the smallest set whose probability reaches p (the most likely token always stays)
-  6. min-p: drop tokens below min_p x the most likely token's probability
-  7. draw from softmax by inverse CDF, with the request's own generator (seeded requests repeat exactly, whatever
-     the batch)
-On the CPU, fp32 rows take stages 3-7 in one native call (nt_sample_rows, where the kernels are built): the row's
-exps and their sums in vector lanes, then, for the filters, the tokens within a factor of the best (widened until
-they hold the filtered row) sorted, cut and drawn from; plain temperature draws in vocabulary order. The torch route
-(CUDA, or no kernels) takes them over each row's CANDIDATES largest logits where the filters keep the row within
-them (`candidates`; then WIDE_CANDIDATES in large vocabularies), else over the whole row (`filter_logits`). Both
-draw the same distribution; a given uniform may land on another token (the order the draw walks differs).
+Stage order: 1. penalties (repetition over prompt + output; presence and frequency over output); 2. greedy rows
+(temperature 0): argmax of the penalized logits, done; 3-7. the draw: temperature, top-k, top-p, min-p, then one
+uniform u in [0, 1) from the request's own CPU generator (seeded requests repeat exactly, whatever the batch).
+
+The draw is defined in exact arithmetic, so that every route gives the same token for the same row, parameters and
+u: nt_sample_rows for fp32 rows on the CPU (its AVX-512, AVX2 and plain C builds alike), ops/sampling.py in torch
+for the rest (CUDA, no kernels). For a row l [N] (fp32, penalized), T > 0, top_k (0: off), top_p (1: off) and
+min_p (0: off), in fp64:
+  a. top = max l. With a NaN, no finite top, or no finite 1 / T, the draw is the argmax (the first NaN; token 0 for a
+     row of -inf).
+  b. x_i = ((double) l_i - top) * inv_t, inv_t = 1 / T.
+  c. w_i = floor(E(x_i) 2^Q) 2^-Q, and 0 where x_i < -24; Q = 34 up to 2^19 tokens, one less per doubling past
+     that. E is a fixed sequence of fp64 operations, each rounded on its own (no FMA, no libm): n = x log2(e)
+     rounded to even, r = (x - n LN2_HI) - n LN2_LO, Taylor's polynomial of degree 11 in r by Horner, times 2^n
+     made from its bits; E(0) = 1, |E(x) / e^x - 1| < 1e-13. Every weight is a multiple of 2^-Q in [0, 1] and N of
+     them sum to at most 2^53 units: every sum below is exact, however a route orders it.
+  d. The row's order: x descending, then id ascending.
+  e. top-k (0 < k < N): the first k in that order; otherwise every token.
+  f. top-p (p < 1): S1 = the top-k set's weight; keep its tokens (in order) whose weight before them is below p * S1
+     (the first always).
+  g. min-p (> 0): keep the tokens with w_i >= min_p (the best weighs exactly 1).
+  h. S = the kept weight; the token is the first kept one, by ascending id, whose running sum exceeds u * S: never
+     one of weight 0.
+Why that is exact on every route, the fast paths that keep it, and what it costs: docs/exactness.md.
 Log-probabilities are those of the raw model distribution (log_softmax of the unmodified logits).
 """
 
@@ -26,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextoken.ops import native
+from nextoken.ops import native, sampling
 from nextoken.sampling_params import SamplingParams
 
 
@@ -65,118 +74,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor) -> torch.Tensor:
-    """Stages 3-6 on rows [num_rows, vocab] with per-row parameters [num_rows]; removed tokens become -inf.
-
-    top_k 0 and top_p 1 and min_p 0 are no-ops.
-    """
-    logits = logits / temperature[:, None]
-    vocab = logits.shape[1]
-    if bool((top_k > 0).any()):
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])  # [num_rows, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if bool((top_p < 1).any()):
-        logits = top_p_filter(logits, top_p)
-    if bool((min_p > 0).any()):
-        probs = logits.softmax(dim=-1)
-        threshold = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    return logits
-
-
-# Candidates a sampled row is first filtered and drawn among (`candidates`). Sorting whole rows cost 1.2 s a step for
-# 64 rows of Gemma 3's 262k vocabulary on 2 cores; the 1,024 largest of each row take 47 ms, and in practice hold
-# the nucleus.
-CANDIDATES = 1024
-
-
-def _nucleus(sorted_logits: torch.Tensor, log_total: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Which of each row's tokens (sorted by logit, descending) the nucleus keeps: a token is dropped when those
-    before it already reach p; the first is always kept. log_total: each whole row's logsumexp [rows, 1]."""
-    probs = (sorted_logits - log_total).exp()
-    keep = probs.cumsum(dim=-1) - probs < top_p[:, None]
-    keep[:, 0] = True
-    return keep
-
-
-def top_p_filter(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Stage 5 over whole rows: tokens outside each row's nucleus become -inf (rows with top_p 1 keep every token).
-    The sampler only sends here the rows its candidates do not hold."""
-    values, order = logits.sort(dim=-1, descending=True)
-    keep = _nucleus(values, logits.logsumexp(dim=-1, keepdim=True), top_p) | (top_p >= 1)[:, None]
-    return logits.masked_fill(~torch.zeros_like(keep).scatter_(1, order, keep), float("-inf"))
-
-
-# Second set for the rows the first does not hold (a flat distribution at temperature 1 with top-p 0.95), in
-# vocabularies of at least 4x as many: 64 of Gemma 3's rows take 0.14 s to find, against 1 s for a whole-row sort.
-WIDE_CANDIDATES = 16384
-
-
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """t's rows `rows` (distinct, increasing): t itself, not a gathered copy, when that is all of them."""
     return t if len(rows) == t.shape[0] else t[rows]
-
-
-def candidates(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-               min_p: torch.Tensor, count: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stages 3-6 over each row's `count` largest logits only: (probs [rows, C], token ids [rows, C], bounded [rows]).
-    A bounded row's filtered distribution lies among its candidates (top-k within them, or a nucleus or a min-p cut
-    the candidates reach), and probs is that distribution, in the same order as the ids; for the other rows probs
-    means nothing (they need more candidates, or filter_logits over the whole row). For 64 rows of Gemma 3's 262k
-    vocabulary this leaves out the whole-row passes of the filtered softmax and the draw."""
-    vocab = logits.shape[1]
-    count = min(CANDIDATES if count is None else count, vocab)
-    raw, ids = logits.topk(count, dim=-1)  # sorted, descending: the order of logits / T too (T > 0)
-    values = raw / temperature[:, None]
-    with_k = (top_k > 0) & (top_k < vocab)
-    by_k = with_k & (top_k <= count)
-    beyond_k = torch.arange(count, device=logits.device)[None, :] >= top_k[:, None]
-    values = values.masked_fill(by_k[:, None] & beyond_k, float("-inf"))
-    # Top-p reads the probabilities of the top-k-filtered row: within the candidates where top-k bounds the row,
-    # over the whole row where there is no top-k (a top-k past the candidates leaves the row unbounded).
-    with_p = top_p < 1
-    log_total = values.logsumexp(dim=-1, keepdim=True)
-    whole = with_p & ~by_k
-    if bool(whole.all()):
-        log_total = (logits / temperature[:, None]).logsumexp(dim=-1, keepdim=True)
-    elif bool(whole.any()):
-        log_total[whole] = (logits[whole] / temperature[whole, None]).logsumexp(dim=-1, keepdim=True)
-    mass = (values - log_total).exp().sum(dim=-1)
-    by_p = with_p & (by_k | (~with_k & (mass >= top_p)))
-    values = values.masked_fill(with_p[:, None] & ~_nucleus(values, log_total, top_p), float("-inf"))
-    # min-p: p < min_p * p_max is a logit below the largest + log(min_p), whatever the normalization
-    cut = values[:, :1] + min_p[:, None].log()  # -inf where min_p is 0: no cut
-    by_min_p = (min_p > 0) & (values[:, -1] < cut[:, 0])
-    values = values.masked_fill(values < cut, float("-inf"))
-    exact = ~with_p | by_k | ~with_k  # the nucleus above used the right normalization
-    bounded = (by_k | by_p | by_min_p | (count == vocab)) & exact
-    return values.softmax(dim=-1), ids, bounded
-
-
-def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 1024) -> list[int]:
-    """Per row i of probs [rows, vocab], the token at cumulative probability uniforms[i] (in [0, 1)) times the row's
-    total: the first token whose running sum exceeds it, so never one of probability 0. Two levels, in float64 (a
-    small token's share is not lost to rounding near the top): the row's sums of `block` entries locate the block,
-    then a running sum within it. One pass over the rows; torch.multinomial took 8 ms for each 262k-entry row."""
-    rows, vocab = probs.shape
-    whole = vocab // block * block
-    sums = [probs[:, :whole].view(rows, -1, block).sum(-1, dtype=torch.float64)] if whole else []
-    if whole < vocab:
-        sums.append(probs[:, whole:].sum(-1, keepdim=True, dtype=torch.float64))
-    cdf = torch.cat(sums, dim=1).cumsum(dim=1)
-    targets = uniforms.double() * cdf[:, -1]
-    blocks = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1).tolist()
-    tokens = []
-    for i, b in enumerate(blocks):
-        part = probs[i, b * block:(b + 1) * block].double()
-        rest = targets[i] - (cdf[i, b - 1] if b else 0.0)  # >= 0: the block's sums before it do not exceed the target
-        k = int(torch.searchsorted(part.cumsum(0), rest[None], right=True))
-        if k == part.shape[0]:  # the block's running sum rounded below its total: its last token that can occur
-            k = int(part.nonzero()[-1])
-        tokens.append(b * block + k)
-    return tokens
 
 
 def argmax(logits: torch.Tensor) -> list[int]:
@@ -192,7 +92,8 @@ class Sampler:
         # Requests without a seed draw from this one; seeded requests carry their own generator.
         self.default_generator = torch.Generator()
         self.default_generator.seed()
-        # fp32 CPU rows draw in one native call (nt_sample_rows: the same stages) where the kernels are built.
+        # fp32 CPU rows draw in one native call (nt_sample_rows) where the kernels are built, others through
+        # ops/sampling.py: the same token either way.
         self.native_draws = native_draws
 
     @staticmethod
@@ -234,46 +135,19 @@ class Sampler:
         idx = [i for i, g in enumerate(greedy) if not g]
         sub = take_rows(logits, idx)
         ps = [rows[i].params for i in idx]
-        # Draws use each request's CPU generator (seeded requests repeat on any device), so the rows come to the CPU:
-        # one uniform per row from it, found in the row's cumulative distribution.
-        uniforms = torch.cat([torch.rand(1, dtype=torch.float64, generator=rows[i].generator or self.default_generator)
-                              for i in idx])
-        out = argmax(logits) if len(idx) < len(rows) else [0] * len(rows)  # the greedy rows' tokens
+        # One uniform per row from the request's CPU generator, whatever the device: seeded requests repeat on any.
+        uniforms = [float(torch.rand(1, dtype=torch.float64, generator=rows[i].generator or self.default_generator))
+                    for i in idx]
+        params = ([p.temperature for p in ps], [p.top_k for p in ps], [p.top_p for p in ps], [p.min_p for p in ps])
         lib = native.library() if self.native_draws and sub.device.type == "cpu" and sub.dtype == torch.float32 \
             else None
-        if lib is not None:
-            drawn = native.sample_rows(lib, sub, *([getattr(p, name) for p in ps]
-                                                   for name in ("temperature", "top_k", "top_p", "min_p")),
-                                       uniforms.tolist())
-            for i, token in zip(idx, drawn):
-                out[i] = token
-            return out
-        dev = logits.device
-        params = tuple(torch.tensor([getattr(p, name) for p in ps], device=dev)
-                       for name in ("temperature", "top_k", "top_p", "min_p"))
-        _, top_k, top_p, min_p = params
-        # Rows whose filtered distribution lies among their largest logits draw from those (then from a wider set
-        # for rows the first does not hold); the rest (plain temperature, or a nucleus wider than both) from the
-        # whole filtered row.
-        left = ((top_k > 0) | (top_p < 1) | (min_p > 0)).nonzero().flatten().tolist()
-        done: set[int] = set()
-        for count in (CANDIDATES, WIDE_CANDIDATES):
-            if not left or (count == WIDE_CANDIDATES and 4 * count > sub.shape[1]):  # no cheaper than a sort there
-                break
-            probs, ids, bounded = candidates(take_rows(sub, left), *(take_rows(p, left) for p in params),
-                                             count=count)
-            held = bounded.nonzero().flatten()
-            if held.numel():
-                picks = torch.tensor(inverse_cdf(probs[held].cpu(), uniforms[[left[j] for j in held.tolist()]]))
-                for j, token in zip(held.tolist(), ids[held].cpu().gather(1, picks[:, None])[:, 0].tolist()):
-                    out[idx[left[j]]] = token
-                    done.add(left[j])
-            left = [left[j] for j in (~bounded).nonzero().flatten().tolist()]
-        rest = [j for j in range(len(idx)) if j not in done]
-        if rest:
-            filtered = filter_logits(take_rows(sub, rest), *(take_rows(p, rest) for p in params))
-            for j, token in zip(rest, inverse_cdf(filtered.softmax(dim=-1).cpu(), uniforms[rest])):
-                out[idx[j]] = token
+        if lib is not None and sub.stride(-1) == 1:
+            drawn = native.sample_rows(lib, sub, *params, uniforms)
+        else:
+            drawn = sampling.sample_rows(sub, *params, uniforms)
+        out = argmax(logits) if len(idx) < len(rows) else [0] * len(rows)  # the greedy rows' tokens
+        for i, token in zip(idx, drawn):
+            out[i] = token
         return out
 
     @staticmethod

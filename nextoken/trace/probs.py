@@ -1,8 +1,9 @@
 """What the sampler saw at one step: the raw next-token distribution and the one it actually drew from.
 
-The stages are the engine's own (`apply_penalties`, then temperature, top-k, top-p and min-p through
-`filter_logits`), called on a copy of the logits handed to the sampler, so the figures shown are those of the run
-and no second implementation can drift from it. Greedy requests draw the argmax: their final distribution is one-hot.
+The stages are the engine's own (`apply_penalties`, then temperature, top-k, top-p and min-p as the draw weighs and
+keeps tokens, `kept_weights` in ops/sampling.py), called on a copy of the logits handed to the sampler, so the
+figures shown are those of the run and no second implementation can drift from it. Greedy requests draw the argmax:
+their final distribution is one-hot.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nextoken.engine.sampler import SamplingRow, apply_penalties, filter_logits
+from nextoken.engine.sampler import SamplingRow, apply_penalties
+from nextoken.ops.sampling import kept_weights
 from nextoken.sampling_params import SamplingParams
 
 
@@ -50,13 +52,9 @@ def sampling_distributions(logits: torch.Tensor, params: SamplingParams, prompt_
         final = torch.zeros_like(tempered)
         final[int(x[0].argmax())] = 1.0
         return raw, tempered, final
-    dev = x.device
     tempered = (x[0] / params.temperature).softmax(dim=-1)
-    filtered = filter_logits(x, temperature=torch.tensor([params.temperature], device=dev),
-                             top_k=torch.tensor([params.top_k], device=dev),
-                             top_p=torch.tensor([params.top_p], device=dev),
-                             min_p=torch.tensor([params.min_p], device=dev))
-    return raw, tempered, filtered[0].softmax(dim=-1)
+    kept = kept_weights(x, [params.temperature], [params.top_k], [params.top_p], [params.min_p])[0]
+    return raw, tempered, (kept / kept.sum()).float()
 
 
 def describe_sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],

@@ -1,5 +1,6 @@
-"""Sampling: the stage order and filters against a direct numpy computation, a chi-square test that draws follow the
-filtered distribution, seeds, and parameter validation."""
+"""Sampling: the filters against a direct numpy computation of the filtered distribution, chi-square and grid tests
+that draws follow it on both routes (native and torch), seeds, and parameter validation. That both routes draw the
+very same token, and that it is the definition's, is tests/unit/test_draw_routes.py."""
 
 from __future__ import annotations
 
@@ -11,10 +12,9 @@ import pytest
 import torch
 from scipy import stats
 
-from nextoken.engine import sampler as sampler_module
-from nextoken.engine.sampler import Sampler, SamplingRow, argmax, filter_logits, inverse_cdf
+from nextoken.engine.sampler import Sampler, SamplingRow, argmax
 from nextoken.errors import InvalidSamplingParams
-from nextoken.ops import native
+from nextoken.ops import native, sampling
 from nextoken.sampling_params import SamplingParams
 from tests.conftest import needs_native
 
@@ -43,63 +43,37 @@ def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, t
     return p / p.sum()
 
 
+def kept_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> np.ndarray:
+    """The distribution the draw takes from one row [vocab]: its kept weights, normalized."""
+    weights = sampling.kept_weights(logits[None], [temperature], [top_k], [top_p], [min_p])[0]
+    return (weights / weights.sum()).numpy()
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
     (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 3, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 5, 0.9, 0.0),
     (1.0, 0, 1.0, 0.2), (2.0, 6, 0.95, 0.05),
 ])
 def test_filter_matches_reference(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
-    filtered = filter_logits(LOGITS[None], torch.tensor([temperature]), torch.tensor([top_k]),
-                             torch.tensor([top_p]), torch.tensor([min_p]))
-    got = filtered.softmax(-1)[0].numpy()
+    got = kept_distribution(LOGITS, temperature, top_k, top_p, min_p)
     want = reference_distribution(LOGITS.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
-    np.testing.assert_allclose(got, want, atol=1e-6)
+    assert ((got > 0) == (want > 0)).all()
+    np.testing.assert_allclose(got, want, atol=1e-9)
 
 
-def test_whole_row_filter_on_a_mixed_batch() -> None:
-    """filter_logits (the rows the candidates do not hold) on peaked and flat rows in one batch, with and without
-    top-k, and a row without top-p (every token kept): each row's distribution is the reference's."""
+def test_whole_row_filters_on_peaked_and_flat_rows() -> None:
+    """Peaked and flat rows of 3,000 tokens, with and without top-k, and a row without top-p (every token kept): each
+    row's kept distribution is the reference's."""
     gen = torch.Generator().manual_seed(3)
     vocab = 3000
     peaked = torch.randn(vocab, generator=gen) * 4  # its 64 largest hold far more than 0.9
     flat = torch.randn(vocab, generator=gen) * 0.1  # its 64 largest hold about 2%
     rows = [(peaked, 1.0, 0, 0.9), (flat, 1.0, 0, 0.9), (peaked, 0.7, 20, 0.5), (flat, 1.3, 500, 0.95),
             (flat, 1.0, 0, 0.01), (peaked, 1.0, 0, 0.999), (flat, 1.0, 0, 1.0)]
-    logits = torch.stack([r[0] for r in rows])
-    params = [torch.tensor([r[i] for r in rows]) for i in (1, 2, 3)]
-    got = filter_logits(logits, *params, torch.zeros(len(rows))).softmax(-1).double().numpy()
     for i, (row, temperature, top_k, top_p) in enumerate(rows):
+        got = kept_distribution(row, temperature, top_k, top_p, 0.0)
         want = reference_distribution(row.numpy().astype(np.float64), temperature, top_k, top_p, 0.0)
-        assert ((got[i] > 0) == (want > 0)).all(), f"row {i}: another set of tokens"
-        np.testing.assert_allclose(got[i], want, atol=1e-6)
-
-
-def test_candidate_rows_hold_the_filtered_distribution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows the filters keep within their CANDIDATES largest logits (top-k, a nucleus or a min-p cut inside
-    them) get the reference's distribution from the candidates alone; rows that need the whole vocabulary (plain
-    temperature, a nucleus or min-p cut past the candidates, top-k past them) are reported as such."""
-    monkeypatch.setattr(sampler_module, "CANDIDATES", 64)
-    gen = torch.Generator().manual_seed(5)
-    vocab = 3000
-    peaked = torch.randn(vocab, generator=gen) * 4
-    flat = torch.randn(vocab, generator=gen) * 0.1
-    rows = [(peaked, 1.0, 0, 0.9, 0.0, True), (flat, 1.0, 0, 0.9, 0.0, False), (peaked, 0.7, 20, 0.5, 0.0, True),
-            (flat, 1.3, 40, 1.0, 0.0, True), (flat, 1.3, 500, 0.95, 0.0, False), (peaked, 1.0, 0, 1.0, 0.3, True),
-            (flat, 1.0, 0, 1.0, 0.3, False), (peaked, 1.2, 10, 0.8, 0.1, True), (peaked, 1.0, 0, 1.0, 0.0, False),
-            (flat, 0.05, 0, 0.4, 0.0, True),  # a low temperature sharpens a flat row into its candidates
-            (peaked, 1.0, 100, 0.9, 0.0, False),  # top-p over a top-k wider than the candidates
-            (peaked, 1.0, 100, 0.9, 0.5, False), (peaked, 1.0, 100, 1.0, 0.5, True)]  # with min-p
-    logits = torch.stack([r[0] for r in rows])
-    params = [torch.tensor([r[i] for r in rows]) for i in (1, 2, 3, 4)]
-    probs, ids, bounded = sampler_module.candidates(logits, *params)
-    assert bounded.tolist() == [r[5] for r in rows]
-    for i, (row, temperature, top_k, top_p, min_p, inside) in enumerate(rows):
-        if not inside:
-            continue
-        want = reference_distribution(row.numpy().astype(np.float64), temperature, top_k, top_p, min_p)
-        got = np.zeros(vocab)
-        got[ids[i].numpy()] = probs[i].double().numpy()
         assert ((got > 0) == (want > 0)).all(), f"row {i}: another set of tokens"
-        np.testing.assert_allclose(got, want, atol=1e-6)
+        np.testing.assert_allclose(got, want, atol=1e-9)
 
 
 @pytest.mark.parametrize("native_draws", [True, False])
@@ -107,16 +81,12 @@ def test_seeded_rows_draw_the_same_alone_or_batched(monkeypatch: pytest.MonkeyPa
     """A seeded request's tokens do not depend on the rows beside it, whether it draws from its candidates, from the
     wider second set, or from its whole row, and whether its batch draws several ways; every draw is a token the
     filters keep."""
-    monkeypatch.setattr(sampler_module, "CANDIDATES", 64)
-    monkeypatch.setattr(sampler_module, "WIDE_CANDIDATES", 256)
+    monkeypatch.setattr(sampling, "CANDIDATES", 64)
+    monkeypatch.setattr(sampling, "WIDE_CANDIDATES", 256)
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(4, 3000, generator=gen) * torch.tensor([[4.0], [0.1], [2.0], [1.0]])
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=1.0, seed=2),
               SamplingParams(temperature=0, seed=3), SamplingParams(temperature=1.0, top_p=0.2, seed=4)]
-    # the last row's nucleus: past its 64 largest logits, within its 256 largest
-    wide = [torch.tensor([v]) for v in (1.0, 0, 0.2, 0.0)]
-    assert not sampler_module.candidates(logits[3:], *wide, count=64)[2].item()
-    assert sampler_module.candidates(logits[3:], *wide, count=256)[2].item()
     sampler = Sampler(native_draws)
 
     def draw(which: list[int], seed: int) -> list[int]:
@@ -152,25 +122,28 @@ def test_draws_follow_filtered_distribution(temperature: float, top_k: int, top_
     assert chi2.pvalue > 1e-3, chi2
 
 
-def test_inverse_cdf_draws_across_blocks() -> None:
-    """A distribution spread over a vocabulary of several blocks and a remainder (block 1,024, vocabulary 5,000):
-    40,000 draws fit it (chi-square), none falls on a token of probability 0, and u = 0 or just below 1 lands on the
-    first and last tokens that can occur."""
+@pytest.mark.parametrize("native_draws", [pytest.param(True, marks=needs_native), False])
+def test_draws_across_the_walks_blocks(native_draws: bool) -> None:
+    """A distribution spread over a vocabulary of several of the walk's blocks (1,024 weights) and a remainder: draws
+    at 2,000 evenly spaced uniforms land on each token as often as its probability, none on a token of probability
+    0, and u = 0 or just below 1 lands on the first and last tokens that can occur."""
     vocab = 5000
     gen = torch.Generator().manual_seed(11)
     support = torch.tensor([3, 1023, 1024, 2047, 2500, 4095, 4096, 4999])
-    probs = torch.zeros(vocab)
-    probs[support] = torch.rand(len(support), generator=gen) + 0.2
+    probs = torch.zeros(vocab, dtype=torch.float64)
+    probs[support] = torch.rand(len(support), generator=gen, dtype=torch.float64) + 0.2
     probs /= probs.sum()
-    n = 40_000
-    draws = inverse_cdf(probs.expand(n, -1), torch.rand(n, generator=gen, dtype=torch.float64))
-    counts = np.bincount(draws, minlength=vocab)
+    row = probs.log().float()
+    n = 2000
+    uniforms = ((np.arange(n) + 0.5) / n).tolist() + [0.0, 1 - 2**-53]
+    logits = row.expand(n + 2, -1)
+    per_row = [[1.0] * (n + 2), [0] * (n + 2), [1.0] * (n + 2), [0.0] * (n + 2)]
+    draws = native.sample_rows(native.library(), logits, *per_row, uniforms) if native_draws else \
+        sampling.sample_rows(logits, *per_row, uniforms)
+    counts = np.bincount(draws[:n], minlength=vocab)
     assert counts[probs.numpy() == 0].sum() == 0
-    expected = probs[support].double().numpy()
-    chi2 = stats.chisquare(counts[support.numpy()], expected / expected.sum() * n)
-    assert chi2.pvalue > 1e-3, chi2
-    edges = inverse_cdf(probs.expand(2, -1), torch.tensor([0.0, 1 - 1e-12], dtype=torch.float64))
-    assert edges == [3, 4999]
+    np.testing.assert_allclose(counts / n, probs.numpy(), atol=1.5 / n)
+    assert draws[n:] == [3, 4999]
 
 
 def test_greedy_is_argmax_and_seeds_repeat() -> None:
@@ -234,22 +207,25 @@ def test_invalid_params_name_the_field(field: str, value: object) -> None:
 
 
 def grid_frequencies(lib: Any, row: torch.Tensor, p: tuple[float, int, float, float], n: int) -> np.ndarray:
-    """How often each token comes out at n evenly spaced uniforms: the inverse CDF splits [0, 1) into one interval
-    per token, as long as its probability, so each count is n times the probability, within 1."""
-    temperature, top_k, top_p, min_p = p
+    """How often each token comes out at n evenly spaced uniforms, through the kernels `lib` (None: the torch route):
+    the inverse CDF splits [0, 1) into one interval per token, as long as its probability, so each count is n times
+    the probability, within 1."""
     logits = row.expand(n, -1)  # one row read n times (row stride 0)
     uniforms = ((np.arange(n) + 0.5) / n).tolist()
-    tokens = native.sample_rows(lib, logits, [temperature] * n, [top_k] * n, [top_p] * n, [min_p] * n, uniforms)
+    per_row = [[v] * n for v in p]
+    tokens = sampling.sample_rows(logits, *per_row, uniforms) if lib is None else \
+        native.sample_rows(lib, logits, *per_row, uniforms)
     return np.bincount(tokens, minlength=row.shape[0]) / n
 
 
-@needs_native
-@pytest.mark.parametrize("vocab", [3000, 262_144])
-def test_native_draws_follow_the_filtered_distribution(vocab: int) -> None:
-    """nt_sample_rows against the reference filter on peaked and flat rows, for each filter alone and combined
-    (top-p over a top-k, min-p under both, a nucleus past the first candidates): the draws at evenly spaced uniforms
-    land on each token as often as its probability, and never on a token the filters drop."""
-    lib = native.library()
+@pytest.mark.parametrize(("route", "vocab"), [pytest.param("native", 3000, marks=needs_native),
+                                              pytest.param("native", 262_144, marks=needs_native),
+                                              ("torch", 3000)])
+def test_draws_follow_the_filtered_distribution_on_a_grid(route: str, vocab: int) -> None:
+    """nt_sample_rows and the torch route against the reference filter on peaked and flat rows, for each filter alone
+    and combined (top-p over a top-k, min-p under both, a nucleus past the first candidates): the draws at evenly
+    spaced uniforms land on each token as often as its probability, and never on a token the filters drop."""
+    lib = native.library() if route == "native" else None
     gen = torch.Generator().manual_seed(13)
     peaked = torch.randn(vocab, generator=gen) * 4
     flat = torch.randn(vocab, generator=gen) * 0.1
@@ -259,7 +235,7 @@ def test_native_draws_follow_the_filtered_distribution(vocab: int) -> None:
              (peaked, (1.0, 100, 1.0, 0.5)), (flat, (0.05, 0, 0.4, 0.0)), (peaked, (1.0, 5, 0.5, 0.3))]
     if vocab > 10_000:  # the same paths; the flat nucleus (a sort of most of the row) only in the small vocabulary
         cases = [c for c in cases if c[0] is peaked or c[1][3] > 0.5 or c[1][0] < 0.1 or c[1][2] == 1.0]
-    n = 1000 if vocab > 10_000 else 10_000
+    n = 1000 if vocab > 10_000 or lib is None else 10_000
     for row, p in cases:
         want = reference_distribution(row.double().numpy(), *p)
         got = grid_frequencies(lib, row, p, n)
@@ -269,15 +245,15 @@ def test_native_draws_follow_the_filtered_distribution(vocab: int) -> None:
 
 @needs_native
 def test_native_draw_edges() -> None:
-    """u = 0 and u just below 1 land on the first and last tokens that can occur (vocabulary order for plain
-    temperature, the filters' order otherwise), and a row whose mass sits on one token draws it."""
+    """u = 0 and u just below 1 land on the first and last tokens that can occur (in vocabulary order, whatever the
+    filters), and a row whose mass sits on one token draws it."""
     lib = native.library()
     row = torch.full((5000,), float("-inf"))  # masked tokens: never drawn
     row[[7, 1500, 4999]] = torch.tensor([1.0, 2.0, 0.5])
     both = row.expand(2, -1).contiguous()
     edges = [0.0, 1 - 1e-12]
     assert native.sample_rows(lib, both, [1.0] * 2, [0] * 2, [1.0] * 2, [0.0] * 2, edges) == [7, 4999]
-    assert native.sample_rows(lib, both, [1.0] * 2, [2] * 2, [1.0] * 2, [0.0] * 2, edges) == [1500, 7]
+    assert native.sample_rows(lib, both, [1.0] * 2, [2] * 2, [1.0] * 2, [0.0] * 2, edges) == [7, 1500]
     assert native.sample_rows(lib, both, [0.01] * 2, [0] * 2, [0.9] * 2, [0.0] * 2, edges) == [1500, 1500]
 
 

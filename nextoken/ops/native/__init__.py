@@ -331,13 +331,15 @@ _SIGNATURES["nt_sample_rows"] = (_i32, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr
 
 def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, temperature: list[float], top_k: list[int],
                 top_p: list[float], min_p: list[float], uniforms: list[float]) -> list[int]:
-    """Per row of fp32 logits [M, N] (unit column stride), the token at uniforms[r] in [0, 1) of its distribution
-    after temperature, top-k (0: none), top-p (1: none) and min-p (0: none), as the sampler's stages 3-7 define it
-    (nt_sample_rows): one call for the whole draw, where the torch ops took 1-4 ms a token."""
+    """Per row of fp32 logits [M, N] (unit column stride), the token drawn at uniforms[r] in [0, 1) after temperature
+    (> 0), top-k (0: none), top-p (1: none) and min-p (0: none), as engine/sampler.py defines the draw
+    (nt_sample_rows): the token ops/sampling.py draws, in one call."""
     _check(logits)
+    if logits.shape[1] >= 2**31:
+        raise ValueError(f"sample_rows: rows of {logits.shape[1]} tokens; the kernels take fewer than 2^31")
     rows = logits.shape[0]
-    f32, i64, f64 = ctypes.c_float * rows, ctypes.c_int64 * rows, ctypes.c_double * rows
-    arrays = f32(*temperature), i64(*top_k), f32(*top_p), f32(*min_p), f64(*uniforms)
+    i64, f64 = ctypes.c_int64 * rows, ctypes.c_double * rows
+    arrays = f64(*temperature), i64(*top_k), f64(*top_p), f64(*min_p), f64(*uniforms)
     out = i64()
     if lib.nt_sample_rows(logits.data_ptr(), rows, logits.shape[1], logits.stride(0),
                           *(ctypes.addressof(a) for a in arrays), ctypes.addressof(out), torch.get_num_threads()):

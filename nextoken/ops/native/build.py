@@ -40,6 +40,10 @@ EMULATED_AVX512_FLAGS = ["-O1", "-march=native", "-fopenmp", "-fPIC", "-shared",
 # ASAN_OPTIONS=detect_leaks=0 (the interpreter's own allocations are never freed). tests/unit/test_sanitized.py.
 # The emulated AVX-512 build stays as it is: SIMDe's intrinsics under AddressSanitizer take minutes to compile.
 SANITIZE_FLAGS = ["-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+# Flags one unit takes on top of every build's. The sampler's draw computes its weights by separately rounded fp64
+# operations, the same on every build and in torch: no multiply and add may fuse there, whatever the compiler's
+# default (gcc's -std=c11 already implies it; clang and gnu modes contract).
+UNIT_FLAGS = {"sampling.c": ["-ffp-contract=off"]}
 
 
 def _cpu_key() -> str:
@@ -68,7 +72,7 @@ def _compile(cc: str, flags: list[str], sources: list[Path], out: Path) -> None:
 
     objects = [out.with_name(f"{source.stem}.o") for source in sources]
     with ThreadPoolExecutor(max_workers=min(len(sources), os.cpu_count() or 1)) as pool:
-        for job in [pool.submit(run, [cc, *flags, "-c", str(s), "-o", str(o)], s.name)
+        for job in [pool.submit(run, [cc, *flags, *UNIT_FLAGS.get(s.name, []), "-c", str(s), "-o", str(o)], s.name)
                     for s, o in zip(sources, objects)]:
             job.result()
     run([cc, *flags, *map(str, objects), "-o", str(out), "-lm"], "linking")
@@ -85,7 +89,8 @@ def build(sources: Path | list[Path] | None = None, flags: list[str] | None = No
     cc = compiler()
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     text = b"\0".join(p.name.encode() + b"\0" + p.read_bytes() for p in [*sources, *headers])
-    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), cc.encode(), _cpu_key().encode()]))
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), repr(sorted(UNIT_FLAGS.items())).encode(),
+                                      cc.encode(), _cpu_key().encode()]))
     root = cache_dir or config.cache_dir()
     target = root / "native" / f"{sources[0].parent.name}-{key.hexdigest()[:16]}.so"
     if target.exists():

@@ -16,6 +16,9 @@
 #define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
 #define _MM_FROUND_TO_NEAREST_INT SIMDE_MM_FROUND_TO_NEAREST_INT
 #endif
+#ifndef _MM_FROUND_TO_NEG_INF
+#define _MM_FROUND_TO_NEG_INF SIMDE_MM_FROUND_TO_NEG_INF
+#endif
 
 typedef union { simde__m512 v; float f[16]; } nt_e512;
 typedef union { simde__m512i v; int32_t i[16]; int8_t b[64]; uint8_t u[64]; } nt_e512i;
@@ -89,6 +92,13 @@ static inline simde__m512 nt_e512_shuffle_f32x4(simde__m512 a, simde__m512 b, in
         memcpy(&r.f[4 * l], (l < 2 ? x.f : y.f) + 4 * (imm >> (2 * l) & 3), 4 * sizeof(float));
     return r.v;
 }
+static inline simde__m512d nt_e512_cvtps_pd(simde__m256 a) {
+    float f[8];
+    double d[8];
+    simde_mm256_storeu_ps(f, a);
+    for (int i = 0; i < 8; i++) d[i] = f[i];
+    return simde_mm512_loadu_pd(d);
+}
 static inline simde__m512i nt_e512_srai_epi32(simde__m512i a, int imm) {
     nt_e512i x = {a};
     for (int i = 0; i < 16; i++) x.i[i] = imm > 31 ? (x.i[i] < 0 ? -1 : 0) : x.i[i] >> imm;
@@ -108,3 +118,7 @@ static inline simde__m512i nt_e512_srai_epi32(simde__m512i a, int imm) {
 #define _mm512_reduce_max_ps(a) nt_e512_reduce_max_ps(a)
 #define _mm512_shuffle_f32x4(a, b, imm) nt_e512_shuffle_f32x4(a, b, imm)
 #define _mm512_srai_epi32(a, imm) nt_e512_srai_epi32(a, imm)
+#define _mm512_cvtps_pd(a) nt_e512_cvtps_pd(a)
+/* SIMDe 0.7's compress.h undefines this alias where it means to redefine the _ps one */
+#undef _mm512_mask_compressstoreu_pd
+#define _mm512_mask_compressstoreu_pd(p, k, a) simde_mm512_mask_compressstoreu_pd(p, k, a)

@@ -191,8 +191,8 @@ NT_API void nt_gated_rows(int64_t activation, const float *gate_up, int64_t M, i
 /* ------------------------------------------------------------ sampling.c */
 
 NT_API void nt_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ld, int64_t *out, int threads);
-NT_API int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const float *temperature,
-                          const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
+NT_API int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
+                          const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
                           int64_t *out, int threads);
 
 /* ------------------------------------------------------------ decode.c */

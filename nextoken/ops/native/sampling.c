@@ -1,12 +1,17 @@
-/* Picking tokens from logits: each row's argmax, and the sampler's draw after temperature, top-k, top-p and min-p. */
+/* Picking tokens from logits: each row's argmax, and the sampler's draw after temperature, top-k, top-p and min-p as
+ * engine/sampler.py defines it. The draw is exact arithmetic: every build here (AVX-512, AVX2, plain C) and the torch
+ * route (ops/sampling.py) give the same token for the same row, parameters and uniform. */
 #include "internal.h"
+
+#ifdef __FAST_MATH__
+#error "sampling.c rounds each fp64 operation of the draw's weights on its own: build it without -ffast-math"
+#endif
 
 /* ------------------------------------------------------- a whole decode step */
 
-/* The index of v [n]'s first largest value, a NaN counting as largest (its first one), as torch's and numpy's
- * argmax: the largest value (or that there is a NaN) in one pass, then the first place that holds it. */
-static int64_t argmax_row(const float *v, int64_t n) {
-    int nan = 0;
+/* v [n]'s largest value, NaNs aside, and in *nan whether it holds one. */
+static float row_top(const float *v, int64_t n, int *nan) {
+    int found = 0;
     float best = -INFINITY;
     int64_t i = 0;
 #ifdef NT_VNNI512
@@ -17,14 +22,34 @@ static int64_t argmax_row(const float *v, int64_t n) {
         unordered |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
         top = _mm512_max_ps(top, x);
     }
-    nan = unordered != 0;
+    found = unordered != 0;
     best = _mm512_reduce_max_ps(top);
+#elif defined(NT_AVX2)
+    __m256 top = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 x = _mm256_loadu_ps(v + i);
+        unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+        top = _mm256_max_ps(top, x);
+    }
+    found = _mm256_movemask_ps(unordered) != 0;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top);
+    for (int k = 0; k < 8; k++) best = lanes[k] > best ? lanes[k] : best;
 #endif
     for (; i < n; i++) {
-        if (v[i] != v[i]) nan = 1;
+        if (v[i] != v[i]) found = 1;
         else if (v[i] > best) best = v[i];
     }
-    i = 0;
+    *nan = found;
+    return best;
+}
+
+/* The index of v [n]'s first largest value, a NaN counting as largest (its first one), as torch's and numpy's
+ * argmax: the largest value (or that there is a NaN), then the first place that holds it. */
+static int64_t argmax_row(const float *v, int64_t n) {
+    int nan = 0;
+    const float best = row_top(v, n, &nan);
+    int64_t i = 0;
 #ifdef NT_VNNI512
     for (; i + 16 <= n; i += 16) {
         const __m512 x = _mm512_loadu_ps(v + i);
@@ -38,187 +63,429 @@ static int64_t argmax_row(const float *v, int64_t n) {
     return 0;
 }
 
-/* ------------------------------------------------------- sampling */
+/* ------------------------------------------------------- the draw */
 
-#define SAMPLE_BLOCK 1024 /* the draw's first level: sums of this many probabilities */
-/* Below this, e^x is 0 for the draw: as in fp32's softmax (the vector exps clamp there to a subnormal instead), so a
- * masked (-inf) logit can never be drawn. */
-#define EXP_UNDERFLOW -87.33654f
+/* Per token, x = (l - top) * (1 / T) in fp64 and the weight w = floor(E(x) 2^Q), an integer of at most 2^Q (units
+ * of 2^-Q), 0 below DRAW_CUT. E is one fixed sequence of fp64 operations, each rounded on its own: this unit is built
+ * with -ffp-contract=off (build.py), so no multiply and add fuse, and the vector lanes, the scalar code and torch's
+ * elementwise ops compute the same bits. A row's weights sum to at most N 2^Q <= 2^53: every sum is exact, in any
+ * order. */
+#define DRAW_CUT -24.0   /* e^-24 < 2^-34 / 1.5: below it E(x) 2^34 < 1 by a margin far past E's error */
+#define DRAW_BITS 34     /* Q for vocabularies up to 2^19; one less per doubling past that */
+#define WALK_BLOCK 1024  /* the draw's walk passes whole blocks of weights by their sums */
+#define DRAW_LOG2E 0x1.71547652b82fep+0
+#define DRAW_LN2_HI 0x1.62e42ffp-1 /* ln 2 to 29 significant bits: n * DRAW_LN2_HI is exact */
+#define DRAW_LN2_LO -0x1.718432a1b0e26p-35
+#define DRAW_BIAS 0x1.80000000003ffp+52 /* 1.5 * 2^52 + 1023: n + this holds n + 1023 in its low mantissa bits */
+/* 1/11!, 1/10!, ..., 1/2!, 1, 1: Taylor's polynomial for e^r by Horner, highest first (under 1e-14 for
+ * |r| <= ln2 / 2) */
+#define DRAW_TERMS 12
+static const double DRAW_TAYLOR[DRAW_TERMS] = {
+    0x1.ae64567f544e4p-26, 0x1.27e4fb7789f5cp-22, 0x1.71de3a556c734p-19, 0x1.a01a01a01a01ap-16,
+    0x1.a01a01a01a01ap-13, 0x1.6c16c16c16c17p-10, 0x1.1111111111111p-7,  0x1.5555555555555p-5,
+    0x1.5555555555555p-3,  0x1p-1,                1.0,                   1.0};
 
-/* e[i] = exp((l[i] - top) * inv_t) for a row of n, and the sums of each SAMPLE_BLOCK of them (double); returns the
- * row's total. */
-static double exp_row(const float *l, int64_t n, float top, float inv_t, float *e, double *sums) {
-    double total = 0.0;
-    for (int64_t b0 = 0; b0 < n; b0 += SAMPLE_BLOCK) {
-        const int64_t b1 = b0 + SAMPLE_BLOCK < n ? b0 + SAMPLE_BLOCK : n;
-        int64_t i = b0;
-        double sum = 0.0;
+/* E(x) for DRAW_CUT <= x <= 0: n = x log2(e) rounded to nearest (ties to even), r = x - n ln 2 in two steps, then
+ * p(r) 2^n with 2^n made from its exponent bits (n >= -35: a normal number). */
+static double draw_exp(double x) {
+    const double n = nearbyint(x * DRAW_LOG2E);
+    const double r = (x - n * DRAW_LN2_HI) - n * DRAW_LN2_LO;
+    double p = DRAW_TAYLOR[0];
+    for (int k = 1; k < DRAW_TERMS; k++) p = p * r + DRAW_TAYLOR[k];
+    const uint64_t bits = (uint64_t)((int64_t)n + 1023) << 52;
+    double power;
+    memcpy(&power, &bits, sizeof power);
+    return p * power;
+}
+
+/* fp64 lanes for the weights: 8 with AVX-512, 4 with AVX2; each operation one IEEE rounding, as in draw_exp. */
 #ifdef NT_VNNI512
-        const __m512 t = _mm512_set1_ps(top), s = _mm512_set1_ps(inv_t), low = _mm512_set1_ps(EXP_UNDERFLOW);
-        __m512 acc = _mm512_setzero_ps();
-        for (; i + 16 <= b1; i += 16) {
-            const __m512 y = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(l + i), t), s);
-            const __m512 x = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(y, low, _CMP_GE_OQ), exp512_ps(y));
-            _mm512_storeu_ps(e + i, x);
-            acc = _mm512_add_ps(acc, x);
-        }
-        sum = _mm512_reduce_add_ps(acc);
+typedef __m512d lanes_t;
+#define LANES 8
+#define L_SET _mm512_set1_pd
+#define L_LOAD _mm512_loadu_pd
+#define L_STORE _mm512_storeu_pd
+#define L_FLOATS(p) _mm512_cvtps_pd(_mm256_loadu_ps(p)) /* LANES fp32 values, widened (exactly) */
+#define L_ADD _mm512_add_pd
+#define L_SUB _mm512_sub_pd
+#define L_MUL _mm512_mul_pd
+#define L_MAX _mm512_max_pd
+#define L_ROUND _mm512_roundscale_pd
+#define L_POW2(n, bias) _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(_mm512_add_pd(n, bias)), 52))
 #elif defined(NT_AVX2)
-        const __m256 t = _mm256_set1_ps(top), s = _mm256_set1_ps(inv_t), low = _mm256_set1_ps(EXP_UNDERFLOW);
-        for (; i + 8 <= b1; i += 8) {
-            const __m256 y = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), t), s);
-            const __m256 x = _mm256_and_ps(_mm256_cmp_ps(y, low, _CMP_GE_OQ), exp_ps(y));
-            _mm256_storeu_ps(e + i, x);
-            float lanes[8];
-            _mm256_storeu_ps(lanes, x);
-            for (int k = 0; k < 8; k++) sum += lanes[k];
-        }
+typedef __m256d lanes_t;
+#define LANES 4
+#define L_SET _mm256_set1_pd
+#define L_LOAD _mm256_loadu_pd
+#define L_STORE _mm256_storeu_pd
+#define L_FLOATS(p) _mm256_cvtps_pd(_mm_loadu_ps(p))
+#define L_ADD _mm256_add_pd
+#define L_SUB _mm256_sub_pd
+#define L_MUL _mm256_mul_pd
+#define L_MAX _mm256_max_pd
+#define L_ROUND _mm256_round_pd
+#define L_POW2(n, bias) _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(_mm256_add_pd(n, bias)), 52))
 #endif
-        for (; i < b1; i++) {
-            const float y = (l[i] - top) * inv_t;
-            sum += e[i] = y >= EXP_UNDERFLOW ? expf(y) : 0.0f;
+#define DRAW_GROUP 4 /* vectors of weights in flight: each a chain of some 30 dependent operations, interleaved */
+#define GROUP_TOKENS (DRAW_GROUP * LANES)
+
+#ifdef LANES
+/* q[j] = floor(E(x[j]) 2^Q) for DRAW_GROUP vectors of x in [DRAW_CUT, 0]: draw_exp's operations on every lane, the
+ * two exact scalings by 2^n and 2^Q in one by 2^(n + Q), made from its bits (n + DRAW_BIAS + Q, `bias`, holds
+ * n + Q + 1023 in its low bits). */
+static inline void draw_group(const lanes_t *x, lanes_t bias, lanes_t *q) {
+    lanes_t n[DRAW_GROUP], r[DRAW_GROUP], p[DRAW_GROUP];
+    for (int j = 0; j < DRAW_GROUP; j++) {
+        n[j] = L_ROUND(L_MUL(x[j], L_SET(DRAW_LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r[j] = L_SUB(L_SUB(x[j], L_MUL(n[j], L_SET(DRAW_LN2_HI))), L_MUL(n[j], L_SET(DRAW_LN2_LO)));
+        p[j] = L_SET(DRAW_TAYLOR[0]);
+    }
+    for (int k = 1; k < DRAW_TERMS; k++)
+        for (int j = 0; j < DRAW_GROUP; j++) p[j] = L_ADD(L_MUL(p[j], r[j]), L_SET(DRAW_TAYLOR[k]));
+    for (int j = 0; j < DRAW_GROUP; j++)
+        q[j] = L_ROUND(L_MUL(p[j], L_POW2(n[j], bias)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+
+/* The sum of v's lanes: exact, as every sum of weights. */
+static inline double lanes_sum(lanes_t v) {
+    double lanes[LANES], total = 0.0;
+    L_STORE(lanes, v);
+    for (int k = 0; k < LANES; k++) total += lanes[k];
+    return total;
+}
+
+/* Whether any of the GROUP_TOKENS logits from l is at least `skip`. */
+static inline int group_reaches(const float *l, float skip) {
+#ifdef NT_VNNI512
+    const __m512 s = _mm512_set1_ps(skip);
+    return (_mm512_cmp_ps_mask(_mm512_loadu_ps(l), s, _CMP_GE_OQ) |
+            _mm512_cmp_ps_mask(_mm512_loadu_ps(l + 16), s, _CMP_GE_OQ)) != 0;
+#else
+    const __m256 s = _mm256_set1_ps(skip);
+    return _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(_mm256_loadu_ps(l), s, _CMP_GE_OQ),
+                                           _mm256_cmp_ps(_mm256_loadu_ps(l + 8), s, _CMP_GE_OQ))) != 0;
+#endif
+}
+#endif
+
+/* Q for rows of n tokens: n weights of at most 2^Q sum to at most 2^53, which fp64 holds exactly. */
+static int draw_bits(int64_t n) {
+    int q = DRAW_BITS;
+    while (q > 0 && n > (int64_t)1 << (53 - q)) q--;
+    return q;
+}
+
+/* A float below which every logit has x < cut (x never falls as the logit grows, so the check at it holds for all
+ * below), near top - (|cut| + 1/2) T; -inf where there is none. Logits below it need no fp64 work. */
+static float draw_skip_below(float top, double temperature, double inv_t, double cut) {
+    float t = (float)((double)top + (cut - 0.5) * temperature);
+    for (int tries = 0; tries < 4 && t > -INFINITY; tries++) {
+        if (((double)t - (double)top) * inv_t < cut) return t;
+        t = nextafterf(t, -INFINITY);
+    }
+    return -INFINITY;
+}
+
+/* Every token's weight into w [n]; returns their sum. The vector lanes take whole groups of tokens, skipping those
+ * whose logits all lie below draw_skip_below's (x below DRAW_CUT), and weigh x below DRAW_CUT as x = DRAW_CUT:
+ * E(-24) 2^34 < 0.65 floors to 0, the definition's weight there. One thread: splitting a lone row would halve this
+ * with a second core free, but where that core is busy a parallel region waits a scheduler tick (9 ms against
+ * 0.2 ms, measured on a shared 2-core VM). */
+static double row_weights(const float *l, int64_t n, float top, double temperature, double inv_t, int bits,
+                          double *w) {
+    const float skip = draw_skip_below(top, temperature, inv_t, DRAW_CUT);
+    double total = 0.0;
+    int64_t i = 0;
+#ifdef LANES
+    const lanes_t vt = L_SET((double)top), vs = L_SET(inv_t), low = L_SET(DRAW_CUT), bias = L_SET(DRAW_BIAS + bits);
+    lanes_t acc = L_SET(0.0);
+    for (; i + GROUP_TOKENS <= n; i += GROUP_TOKENS) {
+        if (!group_reaches(l + i, skip)) {
+            for (int j = 0; j < DRAW_GROUP; j++) L_STORE(w + i + j * LANES, L_SET(0.0));
+            continue;
         }
-        sums[b0 / SAMPLE_BLOCK] = sum;
-        total += sum;
+        lanes_t x[DRAW_GROUP], q[DRAW_GROUP];
+        for (int j = 0; j < DRAW_GROUP; j++) x[j] = L_MAX(L_MUL(L_SUB(L_FLOATS(l + i + j * LANES), vt), vs), low);
+        draw_group(x, bias, q);
+        for (int j = 0; j < DRAW_GROUP; j++) L_STORE(w + i + j * LANES, q[j]), acc = L_ADD(acc, q[j]);
+    }
+    total = lanes_sum(acc);
+#endif
+    const double unit = ldexp(1.0, bits);
+    for (; i < n; i++) {
+        const double x = ((double)l[i] - (double)top) * inv_t;
+        total += w[i] = l[i] >= skip && x >= DRAW_CUT ? floor(draw_exp(x) * unit) : 0.0;
     }
     return total;
 }
 
-/* The index among w [n] (weights >= 0, `sums` their SAMPLE_BLOCK sums) whose running sum first exceeds u * total:
- * the block from the sums, then a running sum within it (double); never an entry of weight 0. */
-static int64_t draw_index(const float *w, int64_t n, const double *sums, double total, double u) {
-    const double target = u * total;
-    double before = 0.0;
-    int64_t b0 = 0;
-    for (; b0 + SAMPLE_BLOCK < n && before + sums[b0 / SAMPLE_BLOCK] <= target; b0 += SAMPLE_BLOCK)
-        before += sums[b0 / SAMPLE_BLOCK];
-    const int64_t b1 = b0 + SAMPLE_BLOCK < n ? b0 + SAMPLE_BLOCK : n;
-    double acc = before;
-    for (int64_t i = b0; i < b1; i++) {
-        acc += w[i];
-        if (acc > target && w[i] > 0) return i;
-    }
-    for (int64_t i = n - 1; i > 0; i--) /* rounding left the target past the sum: the last possible entry */
-        if (w[i] > 0) return i;
-    return 0;
-}
-
-typedef struct {
-    float s;
-    int32_t id;
-} scored;
-
-static int by_score(const void *a, const void *b) { /* descending, then by id */
-    const scored *x = a, *y = b;
-    return x->s > y->s ? -1 : x->s < y->s ? 1 : (x->id > y->id) - (x->id < y->id);
-}
-
-/* One row's draw (the Python sampler's stages 3-7, see engine/sampler.py): temperature, top-k (0: none), top-p
- * (1: none) over the top-k row, min-p (0: none), then the token at u of the filtered distribution. Scratch: e and
- * vals n floats, ids n ints, cand n entries, sums n / SAMPLE_BLOCK + 1 doubles. */
-static float row_max(const float *l, int64_t n) {
-    float top = -INFINITY;
-    int64_t i = 0;
-#ifdef NT_VNNI512
-    __m512 m = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(l + i));
-    top = _mm512_reduce_max_ps(m);
-#endif
-    for (; i < n; i++) top = l[i] > top ? l[i] : top;
-    return top;
-}
-
-/* The entries of e [n] at or above `cut` into cand (in index order); returns how many, their sum into *mass. */
-static int64_t gather_candidates(const float *e, int64_t n, float cut, scored *cand, float *vals, int32_t *ids,
-                                 double *mass) {
-    int64_t m = 0, i = 0;
+/* w[i] = floor(E(x[i]) 2^bits) for x [n] in [DRAW_CUT, 0] (w may be x); returns their sum. */
+static double draw_weights(const double *x, int64_t n, int bits, double *w) {
+    const double unit = ldexp(1.0, bits);
     double total = 0.0;
+    int64_t i = 0;
+#ifdef LANES
+    lanes_t acc = L_SET(0.0);
+    for (; i + GROUP_TOKENS <= n; i += GROUP_TOKENS) {
+        lanes_t v[DRAW_GROUP], q[DRAW_GROUP];
+        for (int j = 0; j < DRAW_GROUP; j++) v[j] = L_LOAD(x + i + j * LANES);
+        draw_group(v, L_SET(DRAW_BIAS + bits), q);
+        for (int j = 0; j < DRAW_GROUP; j++) L_STORE(w + i + j * LANES, q[j]), acc = L_ADD(acc, q[j]);
+    }
+    total = lanes_sum(acc);
+#endif
+    for (; i < n; i++) total += w[i] = floor(draw_exp(x[i]) * unit);
+    return total;
+}
+
+/* The sum of the WALK_BLOCK weights from w (exact). */
+static double block_sum(const double *w) {
+#ifdef LANES
+    lanes_t acc = L_SET(0.0);
+    for (int i = 0; i < WALK_BLOCK; i += LANES) acc = L_ADD(acc, L_LOAD(w + i));
+    return lanes_sum(acc);
+#else
+    double total = 0.0;
+    for (int i = 0; i < WALK_BLOCK; i++) total += w[i];
+    return total;
+#endif
+}
+
+/* The first index of w [m] whose running sum exceeds target (below the sum of all): whole blocks passed by their
+ * sums, then one weight at a time. Never one of weight 0: its running sum is the one before it. */
+static int64_t draw_walk(const double *w, int64_t m, double target) {
+    double before = 0.0;
+    int64_t b = 0;
+    for (; b + WALK_BLOCK < m; b += WALK_BLOCK) {
+        const double block = block_sum(w + b);
+        if (before + block > target) break;
+        before += block;
+    }
+    for (int64_t i = b; i < m; i++)
+        if ((before += w[i]) > target) return i;
+    return m - 1; /* not reached: the target is below the total */
+}
+
+/* The tokens of l [n] with x >= cut, in id order: their x into cx, their ids into cid (n + 16 entries each: the
+ * vector stores write past the count); returns how many. */
+static int64_t draw_candidates(const float *l, int64_t n, float top, double temperature, double inv_t, double cut,
+                               double *cx, int32_t *cid) {
+    const float skip = draw_skip_below(top, temperature, inv_t, cut);
+    const double t = (double)top;
+    int64_t m = 0, i = 0;
 #ifdef NT_VNNI512
-    const __m512 c = _mm512_set1_ps(cut);
+    const __m512 below = _mm512_set1_ps(skip);
+    const __m512d vt = _mm512_set1_pd(t), s = _mm512_set1_pd(inv_t), c = _mm512_set1_pd(cut);
     const __m512i step = _mm512_set1_epi32(16);
     __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    __m512 acc = _mm512_setzero_ps();
     for (; i + 16 <= n; i += 16, at = _mm512_add_epi32(at, step)) {
-        const __m512 x = _mm512_loadu_ps(e + i);
-        const __mmask16 k = _mm512_cmp_ps_mask(x, c, _CMP_GE_OQ);
-        if (!k) continue;
-        _mm512_mask_compressstoreu_ps(vals + m, k, x);
-        _mm512_mask_compressstoreu_epi32(ids + m, k, at);
-        acc = _mm512_mask_add_ps(acc, k, acc, x);
-        m += __builtin_popcount(k);
+        const unsigned k = _mm512_cmp_ps_mask(_mm512_loadu_ps(l + i), below, _CMP_GE_OQ);
+        for (int h = 0; h < 16; h += 8) {
+            if (!((k >> h) & 0xFF)) continue;
+            const __m512d x = _mm512_mul_pd(_mm512_sub_pd(_mm512_cvtps_pd(_mm256_loadu_ps(l + i + h)), vt), s);
+            const __mmask8 kx = _mm512_cmp_pd_mask(x, c, _CMP_GE_OQ);
+            /* whole vectors, packed in registers (a compressing store is slow on some CPUs): past the count, scratch */
+            _mm512_storeu_pd(cx + m, _mm512_maskz_compress_pd(kx, x));
+            _mm512_storeu_si512(cid + m, _mm512_maskz_compress_epi32((__mmask16)((unsigned)kx << h), at));
+            m += __builtin_popcount(kx);
+        }
     }
-    total = _mm512_reduce_add_ps(acc);
+#elif defined(NT_AVX2)
+    const __m256 below = _mm256_set1_ps(skip);
+    const __m256d vt = _mm256_set1_pd(t), s = _mm256_set1_pd(inv_t), c = _mm256_set1_pd(cut);
+    for (; i + 8 <= n; i += 8) {
+        const int k = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + i), below, _CMP_GE_OQ));
+        for (int h = 0; h < 8; h += 4) {
+            if (!((k >> h) & 0xF)) continue;
+            const __m256d x = _mm256_mul_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(l + i + h)), vt), s);
+            const int kx = _mm256_movemask_pd(_mm256_cmp_pd(x, c, _CMP_GE_OQ));
+            double lanes[4];
+            _mm256_storeu_pd(lanes, x);
+            for (int b = 0; b < 4; b++) /* every lane stored, only those kept counted: no branch to mispredict */
+                cx[m] = lanes[b], cid[m] = (int32_t)(i + h + b), m += kx >> b & 1;
+        }
+    }
 #endif
-    for (; i < n; i++)
-        if (e[i] >= cut) vals[m] = e[i], ids[m] = (int32_t)i, m++, total += e[i];
-    for (int64_t j = 0; j < m; j++) cand[j].s = vals[j], cand[j].id = ids[j];
-    *mass = total;
+    for (; i < n; i++) {
+        if (!(l[i] >= skip)) continue;
+        const double x = ((double)l[i] - t) * inv_t;
+        if (x >= cut) cx[m] = x, cid[m] = (int32_t)i, m++;
+    }
     return m;
 }
 
-static int64_t sample_row(const float *l, int64_t n, float temperature, int64_t top_k, float top_p, float min_p,
-                          double u, float *e, double *sums, scored *cand, float *vals, int32_t *ids) {
-    const float top = row_max(l, n);
-    if (!(top > -INFINITY)) return argmax_row(l, n); /* nothing can be drawn (every logit -inf, or a NaN): token 0 */
-    const float inv_t = 1.0f / temperature;
-    const double z = exp_row(l, n, top, inv_t, e, sums);
-    const int by_k = top_k > 0 && top_k < n, by_p = top_p < 1.0f, by_min = min_p > 0.0f;
-    if (!by_k && !by_p && !by_min) return draw_index(e, n, sums, z, u); /* in vocabulary order */
-    /* Candidates: the tokens within a factor of the best, widened until they hold the filtered row. */
-    const float floor_p = by_min ? min_p : 0.0f;
-    /* Most rows' filters keep tokens within 100x of the best; min-p without top-p keeps exactly its own set. */
-    float cut = by_min && !by_p ? floor_p : floor_p > 1e-2f ? floor_p : 1e-2f;
-    int64_t m = 0;
-    for (;;) {
-        double mass = 0.0;
-        m = gather_candidates(e, n, cut, cand, vals, ids, &mass);
-        int enough = 1; /* min-p alone, or with top-k only: the min-p set holds every token kept */
-        if (by_k && (by_p || !by_min))
-            enough = m >= top_k; /* the whole top-k: what top-p normalizes over, or what is kept */
-        else if (by_p)
-            enough = mass >= top_p * z || cut <= floor_p; /* the nucleus, or all min-p keeps of it */
-        if (enough || cut == 0.0f) break;
-        const float next = cut * 1e-3f; /* wider, down to min-p's cut first, then to every token */
-        cut = cut > floor_p && next < floor_p ? floor_p : next < 1e-30f ? 0.0f : next;
-    }
-    qsort(cand, (size_t)m, sizeof(scored), by_score);
-    if (by_k && m > top_k) m = top_k;
-    double zp = z; /* top-p's normalization: the top-k row, or the whole row */
-    if (by_k) {
-        zp = 0.0;
-        for (int64_t j = 0; j < m; j++) zp += cand[j].s;
-    }
-    int64_t keep = m;
-    if (by_p) {
-        double cum = 0.0;
-        for (keep = 0; keep < m && (keep == 0 || cum < top_p * zp); keep++) cum += cand[keep].s;
-    }
-    if (by_min) /* below min_p times the best: at the end of the order */
-        while (keep > 1 && cand[keep - 1].s < min_p * cand[0].s) keep--;
-    float *w = e; /* the kept weights in order, over the row's buffer, and their block sums */
-    double total = 0.0;
-    for (int64_t j = 0; j < keep; j++) {
-        if (j % SAMPLE_BLOCK == 0) sums[j / SAMPLE_BLOCK] = 0.0;
-        w[j] = cand[j].s;
-        sums[j / SAMPLE_BLOCK] += w[j];
-        total += w[j];
-    }
-    return cand[draw_index(w, keep, sums, total, u)].id;
+typedef struct {
+    double x, w;
+    int32_t id;
+} ranked;
+
+static int by_rank(const void *a, const void *b) { /* the row's order: x descending, then id */
+    const ranked *p = a, *q = b;
+    return p->x > q->x ? -1 : p->x < q->x ? 1 : (p->id > q->id) - (p->id < q->id);
 }
 
-/* Per row r of logits [M, N] (row stride ld), the token drawn at uniforms[r] in [0, 1) after temperature[r],
- * top_k[r], top_p[r] and min_p[r] (sample_row), into out[r]; rows split across threads. Returns -1 without memory. */
-int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const float *temperature,
-                   const int64_t *top_k, const float *top_p, const float *min_p, const double *uniforms,
+/* Reorders r [m] so that its first k (0 < k < m) are the row's first k (by_rank), in no particular order:
+ * quickselect, the pivot a median of three. */
+static void select_first(ranked *r, int64_t m, int64_t k) {
+    int64_t lo = 0, hi = m - 1;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        const ranked *a = &r[lo], *b = &r[mid], *c = &r[hi];
+        const ranked pivot = by_rank(a, b) < 0 ? (by_rank(b, c) < 0 ? *b : by_rank(a, c) < 0 ? *c : *a)
+                                               : (by_rank(a, c) < 0 ? *a : by_rank(b, c) < 0 ? *c : *b);
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (by_rank(&r[i], &pivot) < 0) i++;
+            while (by_rank(&r[j], &pivot) > 0) j--;
+            if (i <= j) {
+                const ranked t = r[i];
+                r[i++] = r[j], r[j--] = t;
+            }
+        }
+        if (k - 1 <= j) hi = j;
+        else if (k - 1 >= i) lo = i;
+        else break;
+    }
+}
+
+#define SORT_BELOW 32 /* ranges this short are sorted and scanned rather than partitioned */
+
+/* Top-p's kept count over r [m] (the top-k set in any order, its weights known): L, the fewest first tokens in the
+ * row's order whose weight reaches `bound` (1 at least; m where none do), r reordered so that r[0..L) are they, in no
+ * particular order. A quickselect weighted by the tokens' weights: no sort of the whole set, sums exact. */
+static int64_t nucleus(ranked *r, int64_t m, double bound) {
+    int64_t lo = 0, hi = m; /* L lies in (lo, hi]; `before` is the weight of r[0..lo), below the bound */
+    double before = 0.0;
+    while (hi - lo > SORT_BELOW) {
+        const int64_t mid = lo + (hi - lo) / 2, last = hi - 1;
+        const int64_t pick = by_rank(&r[lo], &r[mid]) < 0
+                                 ? (by_rank(&r[mid], &r[last]) < 0 ? mid : by_rank(&r[lo], &r[last]) < 0 ? last : lo)
+                                 : (by_rank(&r[lo], &r[last]) < 0 ? lo : by_rank(&r[mid], &r[last]) < 0 ? last : mid);
+        ranked t = r[pick];
+        r[pick] = r[last], r[last] = t;
+        int64_t a = lo; /* those before the pivot to the front */
+        double mass = 0.0;
+        for (int64_t j = lo; j < last; j++)
+            if (by_rank(&r[j], &r[last]) < 0) {
+                t = r[j], r[j] = r[a], r[a] = t;
+                mass += r[a++].w;
+            }
+        t = r[a], r[a] = r[last], r[last] = t; /* the pivot at a: its place in the order */
+        if (a >= 1 && before + mass >= bound) hi = a;
+        else if (before + mass + r[a].w >= bound) return a + 1;
+        else before += mass + r[a].w, lo = a + 1;
+    }
+    qsort(r + lo, (size_t)(hi - lo), sizeof *r, by_rank);
+    for (int64_t j = lo; j < hi; j++)
+        if ((before += r[j].w) >= bound) return j + 1;
+    return hi;
+}
+
+static int by_id(const void *a, const void *b) {
+    const ranked *p = a, *q = b;
+    return (p->id > q->id) - (p->id < q->id);
+}
+
+typedef struct {
+    double *x;   /* [N + 16]: candidates' x, in id order */
+    double *w;   /* [N]: every token's weight, or the top-k set's */
+    int32_t *id; /* [N + 16]: the candidates' tokens */
+    ranked *r;   /* [N]: the ranked prefix of the row */
+} draw_scratch;
+
+/* Widening cuts on x for the ranked prefix: 1e-2, 1e-5 and 1e-8 of the best token's weight. */
+static const double RANK_CUTS[] = {-4.605170185988091, -11.512925464970229, -18.420680743952367};
+
+/* The draw where top-k or top-p ranks the row: the tokens above a cut on x (the first in the row's order), the cut
+ * widened until they hold the top-k set or top-p's nucleus (at the last, every token of weight above 0); then top-k,
+ * top-p, min-p and the walk in id order. With top-k only the top-k set is weighed; top-p alone weighs the whole row
+ * first (it normalizes over it). */
+static int64_t ranked_draw(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
+                           double top_p, double least, int bits, double cut, double u, const draw_scratch *s) {
+    const int by_k = top_k > 0, by_p = top_p < 1.0;
+    const size_t num_cuts = sizeof RANK_CUTS / sizeof *RANK_CUTS;
+    ranked *r = s->r;
+    /* what top-p normalizes over: the whole row's weight, or the top-k set's (below) */
+    double total = by_k ? 0.0 : row_weights(l, n, top, temperature, inv_t, bits, s->w);
+    int64_t m = 0;
+    for (size_t step = 0;; step++) {
+        const double at_least = step < num_cuts && RANK_CUTS[step] > cut ? RANK_CUTS[step] : cut;
+        m = draw_candidates(l, n, top, temperature, inv_t, at_least, s->x, s->id);
+        double mass = 0.0;
+        for (int64_t j = 0; j < m; j++) {
+            r[j] = (ranked){s->x[j], by_k ? 0.0 : s->w[s->id[j]], s->id[j]};
+            mass += r[j].w;
+        }
+        if (at_least == cut || (by_k ? m >= top_k : mass >= top_p * total)) break;
+    }
+    /* the top-k set (what lies past the ranked tokens weighs 0), then top-p's nucleus of it: the tokens whose weight
+     * before them is below p times the set's, the first always; neither needs the set in order */
+    const int64_t mk = by_k && m > top_k ? top_k : m;
+    if (mk < m) select_first(r, m, mk);
+    if (by_k) {
+        for (int64_t j = 0; j < mk; j++) s->w[j] = r[j].x;
+        total = draw_weights(s->w, mk, bits, s->w);
+        for (int64_t j = 0; j < mk; j++) r[j].w = s->w[j];
+    }
+    const int64_t keep = by_p ? nucleus(r, mk, top_p * total) : mk;
+    int64_t kept = 0;
+    double sum = 0.0;
+    for (int64_t j = 0; j < keep; j++)
+        if (r[j].w > 0.0 && r[j].w >= least) sum += (r[kept++] = r[j]).w;
+    const double target = u * sum;
+    if (kept * 16 <= n) { /* few: in id order by a sort */
+        qsort(r, (size_t)kept, sizeof *r, by_id);
+        double before = 0.0;
+        for (int64_t j = 0; j < kept; j++)
+            if ((before += r[j].w) > target) return r[j].id;
+        return r[kept - 1].id; /* not reached */
+    }
+    memset(s->w, 0, (size_t)n * sizeof *s->w); /* many: their weights in place in the row */
+    for (int64_t j = 0; j < kept; j++) s->w[r[j].id] = r[j].w;
+    return draw_walk(s->w, n, target);
+}
+
+/* One row's draw (engine/sampler.py's definition): temperature, top-k (0: none), top-p (1: none) over the top-k set,
+ * min-p (0: none), then the token at u in [0, 1) of the kept weights in id order. */
+static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                          double u, const draw_scratch *s) {
+    int nan = 0;
+    const float top = row_top(l, n, &nan);
+    const double inv_t = 1.0 / temperature;
+    /* nothing to weigh (a NaN, no finite largest logit, no finite positive 1 / T): the argmax */
+    if (nan || !(fabsf(top) < INFINITY) || !(inv_t > 0.0 && inv_t < INFINITY)) return argmax_row(l, n);
+    const int by_k = top_k > 0 && top_k < n, by_p = top_p < 1.0, by_min = min_p > 0.0;
+    const int bits = draw_bits(n);
+    const double least = by_min ? ldexp(min_p, bits) : 0.0; /* w >= min_p, in units of 2^-Q */
+    /* min-p without top-p needs no weight that min-p drops: those of x below log(min_p) by a margin no error of E
+     * bridges */
+    double cut = DRAW_CUT;
+    if (by_min && !by_p && log(min_p) - 0.01 > cut) cut = log(min_p) - 0.01;
+    if (by_k || by_p)
+        return ranked_draw(l, n, top, temperature, inv_t, by_k ? top_k : 0, top_p, least, bits, cut, u, s);
+    if (by_min) { /* its own tokens, gathered: min-p keeps few */
+        const int64_t m = draw_candidates(l, n, top, temperature, inv_t, cut, s->x, s->id);
+        double total = 0.0;
+        draw_weights(s->x, m, bits, s->w);
+        for (int64_t j = 0; j < m; j++) total += s->w[j] = s->w[j] >= least ? s->w[j] : 0.0;
+        return s->id[draw_walk(s->w, m, u * total)];
+    }
+    return draw_walk(s->w, n, u * row_weights(l, n, top, temperature, inv_t, bits, s->w));
+}
+
+/* Per row r of logits [M, N] (row stride ld, N < 2^31), the token drawn at uniforms[r] in [0, 1) after
+ * temperature[r], top_k[r], top_p[r] and min_p[r] (sample_row), into out[r]; rows split across threads. Returns -1
+ * without memory. */
+int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
+                   const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
                    int64_t *out, int threads) {
+    if (N > INT32_MAX) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && M > 1)
     {
-        float *e = malloc((size_t)N * 2 * sizeof(float)), *vals = e ? e + N : NULL;
-        int32_t *ids = malloc((size_t)N * sizeof(int32_t));
-        double *sums = malloc((size_t)(N / SAMPLE_BLOCK + 1) * sizeof(double));
-        scored *cand = malloc((size_t)N * sizeof(scored));
-        const int ok = e && ids && sums && cand;
+        draw_scratch s = {malloc((size_t)(N + 16) * sizeof(double)), malloc((size_t)N * sizeof(double)),
+                          malloc((size_t)(N + 16) * sizeof(int32_t)), malloc((size_t)N * sizeof(ranked))};
+        const int ok = s.x && s.w && s.id && s.r;
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -226,9 +493,9 @@ int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const 
 #pragma omp for schedule(dynamic, 1)
         for (int64_t r = 0; r < M; r++)
             if (ok)
-                out[r] = sample_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r], e,
-                                    sums, cand, vals, ids);
-        free(e), free(ids), free(sums), free(cand);
+                out[r] = sample_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r],
+                                    &s);
+        free(s.x), free(s.w), free(s.id), free(s.r);
     }
     return failed ? -1 : 0;
 }
