@@ -175,8 +175,9 @@ class LLM:
         try:
             for prompt in prompts:
                 group = []
-                for choice in prompt.params:
-                    rid = engine.add_request(prompt.prompt_ids, choice, f"gen-{next(self._ids)}")
+                for choice in prompt.params:  # a prompt's other choices take its blocks from the first
+                    rid = engine.add_request(prompt.prompt_ids, choice, f"gen-{next(self._ids)}",
+                                             share_prompt_with=group[0] if group else None)
                     added.append(rid)
                     group.append(rid)
                 groups.append(group)

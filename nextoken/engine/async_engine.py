@@ -47,6 +47,7 @@ class SubRequest:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    share_prompt_with: str | None = None  # another choice of the same prompt, whose prompt blocks this one takes
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,7 @@ class AsyncEngine:
             if refuse:
                 raise EngineStopped("the server is shutting down and admits no new requests")
             for index, sub in enumerate(group.requests):
-                self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id)
+                self.engine.add_request(sub.prompt_ids, sub.params, sub.request_id, sub.share_prompt_with)
                 added.append(sub.request_id)
                 self._owners[sub.request_id] = (group, index)
         except Exception as exc:  # NextokenError for the caller; anything else is failed the same way, not raised

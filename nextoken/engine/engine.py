@@ -115,12 +115,18 @@ class LLMEngine:
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by request id (engine/beam.py)
+        # Requests waiting for another's prompt blocks (add_request's share_prompt_with), by that request's id.
+        self._followers: dict[str, list[Request]] = {}
         self._ids = itertools.count()
         self.release_threads()  # the loading thread's: whichever thread steps next does not share the CPUs with them
 
     # --- requests --------------------------------------------------------------------------------------------
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                    share_prompt_with: str | None = None) -> str:
+        """Queue a request; returns its id. `share_prompt_with`: an earlier request of the same prompt (another choice
+        of it) whose prompt blocks this one takes once they are computed, computing only its last prompt token
+        itself (`_share_prompt`); where that request is gone, this one computes its prompt as any other."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self._live:
             raise NextokenError(f"request id {request_id!r} is already in use")
@@ -154,7 +160,12 @@ class LLMEngine:
         stream = TextStream(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                             params.include_stop_str_in_output)
         self._live[request_id] = _Live(req, stream)
-        self.scheduler.add(req)
+        leader = self._live.get(share_prompt_with) if share_prompt_with is not None else None
+        if (leader is not None and leader.request.prompt_ids == req.prompt_ids and len(prompt_ids) > 1
+                and leader.request.num_computed_tokens < leader.request.num_prompt_tokens):
+            self._followers.setdefault(leader.request.request_id, []).append(req)
+        else:
+            self.scheduler.add(req)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -167,8 +178,41 @@ class LLMEngine:
         live = self._live.pop(request_id, None)
         if live is None:
             return False
+        for followers in self._followers.values():
+            if live.request in followers:  # never queued: nothing to free
+                followers.remove(live.request)
+                live.request.finish("abort")
+                return True
         self.scheduler.finish(live.request, "abort")
+        self._release_followers(request_id)
         return True
+
+    def _release_followers(self, request_id: str) -> None:
+        """A request ended before its prompt was computed: those waiting for its blocks compute their own."""
+        for req in self._followers.pop(request_id, []):
+            self.scheduler.add(req)
+
+    def _share_prompt(self, leader: Request) -> None:
+        """The requests waiting for `leader`'s prompt take its blocks: references to those before the last prompt
+        token, a copy of the block holding it (each recomputes that token for logits of its own, and a block being
+        written is never shared), and run from there; without a free block, one computes its whole prompt."""
+        bs = self.block_manager.block_size
+        last = leader.num_prompt_tokens - 1  # the position each follower computes itself
+        full = last // bs
+        for req in self._followers.pop(leader.request_id, []):
+            fresh = self.block_manager.allocate(1) if len(leader.block_table) > full else None
+            if fresh is None:
+                self.scheduler.add(req)
+                continue
+            self.runner.copy_block(leader.block_table[full], fresh[0])
+            self.block_manager.take_cached(leader.block_table[:full])
+            req.block_table = leader.block_table[:full] + fresh
+            req.num_computed_tokens = last
+            req.num_cached_blocks = min(leader.num_cached_blocks, full)
+            req.timings.first_scheduled = time.perf_counter()
+            req.timings.num_cached_prompt_tokens = last
+            req.status = RequestStatus.RUNNING
+            self.scheduler.running.append(req)
 
     def get_request(self, request_id: str) -> Request | None:
         live = self._live.get(request_id)
@@ -214,6 +258,8 @@ class LLMEngine:
         for i, item in enumerate(scheduled):
             req = item.request
             self.scheduler.advance(item)
+            if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._share_prompt(req)
             live = self._live.get(req.request_id)
             if live is None:
                 group = self._beam_groups.get(req.request_id.partition("#")[0]) if "#" in req.request_id else None
@@ -298,6 +344,7 @@ class LLMEngine:
         self._live.pop(req.request_id, None)
         if not req.is_finished:
             self.scheduler.finish(req, "error")
+        self._release_followers(req.request_id)
         return RequestOutput(request_id=req.request_id, new_token_ids=[], new_text="", finished=True,
                              finish_reason="error", num_prompt_tokens=req.num_prompt_tokens,
                              num_output_tokens=len(req.output_ids), request=req)

@@ -130,7 +130,8 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
             if best_of > n and params.logprobs is None:
                 params = replace(params, logprobs=0)  # the chosen tokens' log-probabilities rank the candidates
             for i, choice_params in enumerate(choices(params, best_of)):
-                subrequests.append(SubRequest(f"{response_id}-{p}-{i}", ids, choice_params))
+                subrequests.append(SubRequest(f"{response_id}-{p}-{i}", ids, choice_params,
+                                              f"{response_id}-{p}-0" if i else None))
     except NextokenError as exc:
         raise api_error_from(exc) from None
     include_usage = bool(request.stream_options and request.stream_options.include_usage)

@@ -96,3 +96,32 @@ def test_bad_beam_settings_name_the_parameter() -> None:
                      ({"length_penalty": float("nan")}, "length_penalty")):
         with pytest.raises(InvalidSamplingParams, match=name):
             SamplingParams(**kw)
+
+
+def test_n_choices_share_the_prompts_blocks(llm: LLM) -> None:
+    """n > 1: the prompt is computed once; the other choices take references to its blocks and a copy of the one
+    holding its last token, computing that token alone, and draw as they would on their own."""
+    engine = llm.engine
+    bm = engine.block_manager
+    free = bm.num_free_blocks
+    prompt = list(range(140, 173))  # 33 tokens (4 full blocks of 8 and one more), in no cache yet
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True, n=3)
+    computed = []
+    step = engine.runner.execute
+
+    def execute(scheduled):  # noqa: ANN001, ANN202
+        computed.append(sum(item.num_new_tokens for item in scheduled))
+        return step(scheduled)
+
+    engine.runner.execute = execute
+    try:
+        together = llm.generate([prompt], params, use_tqdm=False)[0].outputs
+    finally:
+        del engine.runner.execute
+    assert computed[0] == len(prompt) and computed[1] == 1 + 2  # the others' last prompt token, the first's decode
+    assert bm.num_free_blocks == free
+    bm.check_integrity()
+    from nextoken.engine.inputs import choices
+
+    alone = [llm.generate([prompt], p, use_tqdm=False)[0].outputs[0].token_ids for p in choices(params)]
+    assert [c.token_ids for c in together] == alone
