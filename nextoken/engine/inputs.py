@@ -125,6 +125,14 @@ class InputProcessor:
         if bad is not None:
             raise InvalidInput(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
 
+    def check_processor_ids(self, params: SamplingParams) -> None:
+        """The token ids of params' logits processors, each within the vocabulary; InvalidInput naming the field."""
+        vocab = self.vocab_size
+        for param, ids in params.processor_ids.items():
+            bad = next((t for t in ids if not t < vocab), None)
+            if bad is not None:
+                raise InvalidInput(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param)
+
     def prompt_ids(self, prompt: Prompt | Chat, *, special_tokens: bool = False, add_special_tokens: bool = True
                    ) -> tuple[str | None, list[int]]:
         """(text, ids) of a chat (rendered), a text prompt or token ids (checked against the vocabulary)."""
