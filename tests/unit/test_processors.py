@@ -3,6 +3,7 @@ none (their tokens unchanged) and seeded sampled rows, and through the engine on
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from nextoken import LLM
+from nextoken.cli import main
 from nextoken.engine.processors import apply_processors
 from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.errors import InvalidInput, InvalidSamplingParams
@@ -133,3 +135,15 @@ def test_engine_refuses_ids_past_the_vocabulary(llm: LLM) -> None:
     for options in ({"logit_bias": {vocab: 1}}, {"bad_words": [[1, vocab]]}, {"allowed_token_ids": [vocab]}):
         with pytest.raises(InvalidInput, match=next(iter(options))):
             llm.engine.add_request([1, 2, 3], SamplingParams(**options))  # type: ignore[arg-type]
+
+
+def test_cli_flags(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["run", "the cat", "--model", str(tiny_llama), "--device", "cpu", "--raw", "--json", "--max-tokens", "4"]
+    assert main([*base, "--logit-bias", "9=100", "--logit-bias", "3=-1", "--min-tokens", "2",
+                 "--allowed-token-ids", "9,10", "--bad-words", "zebra"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == [9] * 4
+    assert main([*base, "--allowed-token-ids", "10000000"]) == 2
+    assert "allowed_token_ids" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*base, "--logit-bias", "9:100"])
+    assert "ID=BIAS" in capsys.readouterr().err
