@@ -83,16 +83,49 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
                    help="beam search: scores are cumulative log-probability / length ** this")
     p.add_argument("--early-stopping", action="store_true",
                    help="beam search: stop as soon as W hypotheses are finished")
+    p.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans, 100 forces)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no end-of-sequence token before N tokens were generated (stop strings may still end it)")
+    p.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="never generate WORD (tokenized with and without a leading space; repeatable)")
+    p.add_argument("--allowed-token-ids", type=_token_ids, default=None, metavar="ID,ID,...",
+                   help="generate only these tokens; none given: any")
 
 
-def _sampling_params(args: argparse.Namespace, **extra: Any) -> Any:
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if sep:
+            return int(token), float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not ID=BIAS (a token id and a number)")
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids") from None
+
+
+def _sampling_params(args: argparse.Namespace, inputs: Any, **extra: Any) -> Any:
+    """The request's SamplingParams; `inputs` (the model's InputProcessor) tokenizes --bad-words and checks the
+    processors' ids against the vocabulary. None: the rest only, to fail fast before a model loads."""
     from nextoken.sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          seed=args.seed, stop=tuple(args.stop), beam_width=args.beam_width,
-                          length_penalty=args.length_penalty, early_stopping=args.early_stopping, **extra)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed, stop=tuple(args.stop), beam_width=args.beam_width,
+                            length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                            logit_bias=dict(args.logit_bias), min_tokens=args.min_tokens,
+                            bad_words=inputs.bad_words_ids(args.bad_words) if inputs is not None else (),
+                            allowed_token_ids=args.allowed_token_ids, **extra)
+    if inputs is not None:
+        inputs.check_processor_ids(params)
+    return params
 
 
 def _load_text_side(model: str) -> Any:
@@ -216,8 +249,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     from nextoken.llm import LLM, request_timings
 
     prompt = _read_text(args.prompt, "prompt")
-    params = _sampling_params(args, prompt_logprobs=args.prompt_logprobs)
+    _sampling_params(args, None, prompt_logprobs=args.prompt_logprobs)
     llm = LLM(args.model, **_engine_options(args))
+    params = _sampling_params(args, llm.inputs, prompt_logprobs=args.prompt_logprobs)
     # --raw: the text as it is, the user's own (its special-token text control tokens); else one chat turn.
     chat = Chat.turn(prompt, args.system)
     if args.no_thinking:
@@ -267,7 +301,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     from nextoken.llm import LLM
 
     llm = LLM(args.model, **_engine_options(args))
-    params = _sampling_params(args)
+    params = _sampling_params(args, llm.inputs)
     messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     while True:
@@ -350,7 +384,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     options = TraceOptions(model=args.model, **_engine_options(args), raw=args.raw, system=args.system,
                            top_k=args.top, html=Path(args.html) if args.html else None,
                            compare=tuple(args.compare or ()))
-    return trace(prompt, _sampling_params(args), options)
+    return trace(prompt, _sampling_params(args, _load_text_side(args.model)), options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

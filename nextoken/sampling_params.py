@@ -3,14 +3,21 @@
 temperature 0 means greedy, and so does any temperature below GREEDY_BELOW (1e-5, vLLM's choice): at such a
 temperature the draw is the argmax anyway wherever two logits differ by more than a ten-thousandth, and the
 logits divided by it (or its reciprocal) would overflow fp32 from about 3e-39 down. Stage order (see
-engine/sampler.py): penalties, temperature, top-k, top-p, min-p, draw.
+engine/sampler.py): penalties, logits processors, temperature, top-k, top-p, min-p, draw.
+Logits processors (engine/processors.py), off by default, as OpenAI and vLLM define them: logit_bias (token id ->
+bias in [-100, 100] added to its logit), min_tokens (the request's end ids banned until that many were generated),
+bad_words (token-id sequences: one token is banned always, a longer one's last token wherever the output ends with
+the rest), allowed_token_ids (no other token may be generated). They bind greedy rows too; log-probabilities stay
+the raw model's. Token ids are checked against the vocabulary where the engine knows it (engine/inputs.py).
 Every invalid value raises InvalidSamplingParams naming the parameter and its valid range.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 from nextoken.errors import InvalidSamplingParams
 
@@ -19,6 +26,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each beam's row reads its top 2W log-probabilities
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 64
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module's docstring)
 
 
@@ -46,12 +56,32 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0
     early_stopping: bool = False
+    # Logits processors (see the module's docstring). logit_bias is given as a mapping and kept as sorted
+    # (id, bias) pairs, so the params stay hashable; allowed_token_ids None: every token.
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias
+        if isinstance(bias, Mapping):
+            if len(bias) > MAX_LOGIT_BIAS:  # before sorting: a huge mapping is refused without the work
+                raise InvalidSamplingParams(f"invalid logit_bias=<{len(bias)} entries>: must be at most "
+                                            f"{MAX_LOGIT_BIAS} entries")
+            try:
+                bias = tuple(sorted(bias.items()))
+            except TypeError:  # keys that do not compare (an int beside a str) are invalid anyway
+                bias = tuple(bias.items())
+        object.__setattr__(self, "logit_bias", tuple(bias))
+        object.__setattr__(self, "bad_words", tuple(tuple(w) if isinstance(w, (list, tuple)) else w
+                                                    for w in self.bad_words))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         self._validate()
 
     @property
@@ -62,6 +92,23 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether a logits processor changes this request's logits (some step may still leave them as they are)."""
+        return bool(self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as kept: (id, bias) pairs by id."""
+        return cast(tuple[tuple[int, float], ...], self.logit_bias)
+
+    @property
+    def processor_ids(self) -> dict[str, list[int]]:
+        """The token ids each processor names, by parameter: for the check against the vocabulary."""
+        return {"logit_bias": [t for t, _ in self.logit_bias_pairs],
+                "bad_words": [t for w in self.bad_words for t in w],
+                "allowed_token_ids": list(self.allowed_token_ids or ())}
 
     def _validate(self) -> None:
         def fail(name: str, value: object, valid: str) -> InvalidSamplingParams:
@@ -119,8 +166,45 @@ class SamplingParams:
             raise fail("length_penalty", self.length_penalty, "in [-10, 10]")
         if not isinstance(self.early_stopping, bool):
             raise fail("early_stopping", self.early_stopping, "true or false")
+        self._validate_processors(fail)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or not 0 <= value <= MAX_LOGPROBS):
                 raise fail(name, value, f"an integer between 0 and {MAX_LOGPROBS}")
+
+    def _validate_processors(self, fail: Callable[[str, object, str], InvalidSamplingParams]) -> None:
+        def token_id(t: object) -> bool:
+            return not isinstance(t, bool) and isinstance(t, int) and 0 <= t < 2**63
+
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise fail("logit_bias", f"<{len(self.logit_bias)} entries>", f"at most {MAX_LOGIT_BIAS} entries")
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise fail("logit_bias", pair, "a mapping of token ids to biases")
+            t, bias = pair
+            if not token_id(t):
+                raise fail("logit_bias", t, "keyed by non-negative integer token ids")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise fail("logit_bias", bias, "biases in [-100, 100]")  # NaN fails the comparison too
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) \
+                or not 0 <= self.min_tokens <= self.max_tokens:
+            raise fail("min_tokens", self.min_tokens, f"an integer between 0 and max_tokens={self.max_tokens}")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise fail("bad_words", f"<{len(self.bad_words)} sequences>", f"at most {MAX_BAD_WORDS} sequences")
+        for word in self.bad_words:
+            if not isinstance(word, tuple) or not 1 <= len(word) <= MAX_BAD_WORD_TOKENS \
+                    or not all(token_id(t) for t in word):
+                raise fail("bad_words", word, f"sequences of 1 to {MAX_BAD_WORD_TOKENS} non-negative token ids")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise fail("allowed_token_ids", list(self.allowed_token_ids), "not empty (None allows every token)")
+            bad = next((t for t in self.allowed_token_ids if not token_id(t)), None)
+            if bad is not None:
+                raise fail("allowed_token_ids", bad, "non-negative token ids")
+        if self.beam_width is not None and self.has_processors:
+            # Beams rank the raw model's log-probabilities; a processor there would be accepted and ignored.
+            name = next(n for n, v in (("logit_bias", self.logit_bias), ("min_tokens", self.min_tokens),
+                                       ("bad_words", self.bad_words)) if v) \
+                if self.allowed_token_ids is None else "allowed_token_ids"
+            raise fail(name, getattr(self, name), "unset with beam search")

@@ -133,6 +133,7 @@ class LLMEngine:
         if not prompt_ids:
             raise InvalidInput("the prompt is empty")
         self.inputs.check_ids(prompt_ids)
+        self.inputs.check_processor_ids(params)
         num_prompt = len(prompt_ids)
         if num_prompt >= self.max_model_len:
             raise PromptTooLong(f"the prompt has {num_prompt} tokens but the context holds {self.max_model_len}")
@@ -248,7 +249,8 @@ class LLMEngine:
             result = Sampler.from_argmax(batch.argmax_ids)
         elif sampling:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
-                                scheduled[i].request.prompt_ids, scheduled[i].request.output_ids)
+                                scheduled[i].request.prompt_ids, scheduled[i].request.output_ids,
+                                scheduled[i].request.stop_ids)
                     for i, _ in sampling]
             result, failed = self._sample(take_rows(logits, [r for _, r in sampling]), rows)
         token_for = {i: k for k, (i, _) in enumerate(sampling)}

@@ -125,6 +125,27 @@ class InputProcessor:
         if bad is not None:
             raise InvalidInput(f"stop_token_ids: {bad} is outside the vocabulary (0..{vocab - 1})", "stop_token_ids")
 
+    def bad_words_ids(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """bad_words given as text -> token-id sequences, as vLLM: each word encoded as plain text without special
+        tokens, as it stands and after one leading space (a word's ids often differ mid-sentence), both kept."""
+        ids: list[tuple[int, ...]] = []
+        for word in words:
+            if not isinstance(word, str) or not word.strip():
+                raise InvalidInput(f"bad_words: {word!r} is not a word", "bad_words")
+            for text in (word, " " + word.lstrip()):
+                encoded = tuple(self.encode(text, add_special_tokens=False))
+                if encoded and encoded not in ids:
+                    ids.append(encoded)
+        return tuple(ids)
+
+    def check_processor_ids(self, params: SamplingParams) -> None:
+        """The token ids of params' logits processors, each within the vocabulary; InvalidInput naming the field."""
+        vocab = self.vocab_size
+        for param, ids in params.processor_ids.items():
+            bad = next((t for t in ids if not t < vocab), None)
+            if bad is not None:
+                raise InvalidInput(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param)
+
     def prompt_ids(self, prompt: Prompt | Chat, *, special_tokens: bool = False, add_special_tokens: bool = True
                    ) -> tuple[str | None, list[int]]:
         """(text, ids) of a chat (rendered), a text prompt or token ids (checked against the vocabulary)."""

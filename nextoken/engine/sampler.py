@@ -1,14 +1,15 @@
 """The sampler: logits [num_seqs, vocab] -> one token id per sequence, plus log-probabilities when asked. It makes
 every sampling decision, from whether a step needs more than its rows' argmax (`argmax_only`) to the draw.
 
-Stage order: 1. penalties (repetition over prompt + output; presence and frequency over output); 2. greedy rows
-(temperature 0): argmax of the penalized logits, done; 3-7. the draw: temperature, top-k, top-p, min-p, then one
+Stage order: 1. penalties (repetition over prompt + output; presence and frequency over output); 2. logits
+processors (engine/processors.py: allowed_token_ids, min_tokens, bad_words, logit_bias); 3. greedy rows
+(temperature 0): argmax of those logits, done; 4-8. the draw: temperature, top-k, top-p, min-p, then one
 uniform u in [0, 1) from the request's own CPU generator (seeded requests repeat exactly, whatever the batch).
 
 The draw is defined in exact arithmetic, so that every route gives the same token for the same row, parameters and
 u: nt_sample_rows for fp32 rows on the CPU (its AVX-512, AVX2 and plain C builds alike), ops/sampling.py in torch
 for the rest (CUDA, no kernels). For a row l [N] (fp32, penalized), T > 0, top_k (0: off), top_p (1: off) and
-min_p (0: off), in fp64:
+min_p (0: off), in fp64 (l is the row after stages 1-2):
   a. top = max l. With a NaN, no finite top, or no finite 1 / T, the draw is the argmax (the first NaN; token 0 for a
      row of -inf).
   b. x_i = ((double) l_i - top) * inv_t, inv_t = 1 / T.
@@ -25,7 +26,8 @@ min_p (0: off), in fp64:
   h. S = the kept weight; the token is the first kept one, by ascending id, whose running sum exceeds u * S: never
      one of weight 0.
 Why that is exact on every route, the fast paths that keep it, and what it costs: docs/exactness.md.
-Log-probabilities are those of the raw model distribution (log_softmax of the unmodified logits).
+Log-probabilities are those of the raw model distribution (log_softmax of the logits before penalties and
+processors), whatever chose the token.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nextoken.engine.processors import apply_processors
 from nextoken.ops import native, sampling
 from nextoken.sampling_params import SamplingParams
 
@@ -45,6 +48,7 @@ class SamplingRow:
     generator: torch.Generator | None
     prompt_ids: list[int]
     output_ids: list[int]
+    stop_ids: frozenset[int] = frozenset()  # the ids that end the request: banned until min_tokens
 
 
 @dataclass
@@ -99,9 +103,10 @@ class Sampler:
     @staticmethod
     def argmax_only(params: Iterable[SamplingParams]) -> bool:
         """Whether a step's tokens are its rows' argmax and nothing else is needed from its logits: every row
-        greedy, without penalties (they change the logits first) or log-probabilities. A step that can take the
-        argmax itself (the native decode step) then hands back only the ids (`from_argmax`)."""
-        return all(p.is_greedy and not p.has_penalties and p.logprobs is None for p in params)
+        greedy, without penalties or processors (they change the logits first) or log-probabilities. A step that
+        can take the argmax itself (the native decode step) then hands back only the ids (`from_argmax`)."""
+        return all(p.is_greedy and not p.has_penalties and not p.has_processors and p.logprobs is None
+                   for p in params)
 
     @staticmethod
     def from_argmax(token_ids: list[int]) -> SampleResult:
@@ -112,7 +117,9 @@ class Sampler:
         """logits [num_rows, vocab] fp32 (one row per entry of `rows`)."""
         raw = logits
         if any(r.params.has_penalties for r in rows):
-            logits = apply_penalties(logits, rows)
+            logits = apply_penalties(logits, rows)  # a copy
+        if any(r.params.has_processors for r in rows):
+            logits = apply_processors(logits if logits is not raw else logits.clone(), rows)
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
             token_ids = argmax(logits)

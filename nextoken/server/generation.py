@@ -111,6 +111,7 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
     inputs = engine.inputs
     try:
         inputs.check_stop_token_ids(request.stop_token_ids or ())
+        bad_words = inputs.bad_words_ids(request.bad_words or ())
     except NextokenError as exc:
         raise api_error_from(exc) from None
     asked = request.requested_max_tokens()
@@ -127,6 +128,9 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
         for p, ids in enumerate(prompts):
             max_tokens = inputs.fit(ids, asked, param=prompt_param)  # asked, or --max-tokens-default within room
             params = request.sampling_params(max_tokens, request.seed)
+            if bad_words:
+                params = replace(params, bad_words=bad_words)
+            inputs.check_processor_ids(params)
             if best_of > n and params.logprobs is None:
                 params = replace(params, logprobs=0)  # the chosen tokens' log-probabilities rank the candidates
             for i, choice_params in enumerate(choices(params, best_of)):

@@ -1,17 +1,19 @@
 """OpenAI request and response bodies for /v1/completions, /v1/chat/completions (and their stream chunks),
 /tokenize and /detokenize.
 
-Request models are strict and closed: a field nextoken does not implement (tools, response_format, logit_bias,
-suffix, ...) is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too
-(no "5" for 5). `user` is accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on
-generation, and nextoken neither uses nor logs it. Extensions beyond OpenAI's fields, with vLLM's names: top_k,
-min_p, repetition_penalty, ignore_eos, stop_token_ids; and special_tokens (a text prompt's special-token text as
-control tokens, off by default). Ranges are checked by SamplingParams, which names the field.
+Request models are strict and closed: a field nextoken does not implement (tools, response_format, suffix, ...)
+is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too (no "5" for 5). `user` is
+accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on generation, and nextoken neither
+uses nor logs it. logit_bias maps token id strings to biases, as OpenAI's. Extensions beyond OpenAI's fields, with
+vLLM's names: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens, bad_words (strings, each
+banned as tokenized with and without a leading space), allowed_token_ids; and special_tokens (a text prompt's
+special-token text as control tokens, off by default). Ranges are checked by SamplingParams, which names the field.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -67,6 +69,10 @@ class _GenerationRequest(_Request):
     repetition_penalty: float | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[Int] | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: Int | None = None
+    bad_words: list[str] | None = None  # tokenized by the server (generation.py)
+    allowed_token_ids: list[Int] | None = None
     # Extensions: beam search (engine/beam.py) instead of sampling; the n best beams are the choices.
     beam_width: Int | None = None
     length_penalty: float | None = None
@@ -90,6 +96,11 @@ class _GenerationRequest(_Request):
             raise ApiError(400, f"invalid n={self.n}: must be between 1 and {MAX_N}", param="n")
         if self.beam_width is not None and self.stream:
             raise ApiError(400, "beam search gives its beams when it ends: it cannot stream", param="stream")
+        # Up to 19 digits: a 64-bit id or a number SamplingParams refuses, never a huge int to parse.
+        bad_key = next((k for k in self.logit_bias or () if not re.fullmatch(r"[0-9]{1,19}", k)), None)
+        if bad_key is not None:
+            raise ApiError(400, f"invalid logit_bias key {bad_key!r}: must be a token id (a non-negative integer "
+                                "as a string)", param="logit_bias")
 
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """The params of one engine request (one choice): n is fanned out by the server, `seed` is per choice."""
@@ -105,7 +116,9 @@ class _GenerationRequest(_Request):
             seed=seed, stop=stop, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=given(self.ignore_eos, False), logprobs=self.num_logprobs(), beam_width=self.beam_width,
             n=self.num_choices if self.beam_width is not None else 1,
-            length_penalty=given(self.length_penalty, 1.0), early_stopping=given(self.early_stopping, False))
+            length_penalty=given(self.length_penalty, 1.0), early_stopping=given(self.early_stopping, False),
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, min_tokens=given(self.min_tokens, 0),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
 
 
 class CompletionRequest(_GenerationRequest):

@@ -1,9 +1,9 @@
 """What the sampler saw at one step: the raw next-token distribution and the one it actually drew from.
 
-The stages are the engine's own (`apply_penalties`, then temperature, top-k, top-p and min-p as the draw weighs and
-keeps tokens, `kept_weights` in ops/sampling.py), called on a copy of the logits handed to the sampler, so the
-figures shown are those of the run and no second implementation can drift from it. Greedy requests draw the argmax:
-their final distribution is one-hot.
+The stages are the engine's own (`apply_penalties`, `apply_processors`, then temperature, top-k, top-p and min-p as
+the draw weighs and keeps tokens, `kept_weights` in ops/sampling.py), called on a copy of the logits handed to the
+sampler, so the figures shown are those of the run and no second implementation can drift from it. Greedy requests
+draw the argmax: their final distribution is one-hot.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nextoken.engine.processors import apply_processors
 from nextoken.engine.sampler import SamplingRow, apply_penalties
 from nextoken.ops.sampling import kept_weights
 from nextoken.sampling_params import SamplingParams
@@ -41,12 +42,17 @@ def entropy_bits(probs: torch.Tensor) -> float:
 
 
 def sampling_distributions(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int],
-                           output_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [vocab] fp32 -> (raw, after temperature, final) probabilities, each [vocab]."""
+                           output_ids: list[int], stop_ids: frozenset[int] = frozenset()
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [vocab] fp32 -> (raw, after temperature, final) probabilities, each [vocab]; `stop_ids`: the request's
+    end ids, which min_tokens bans."""
     raw = logits.float().softmax(dim=-1)
     x = logits.float()[None]  # [1, vocab]
+    row = SamplingRow(params, None, prompt_ids, output_ids, stop_ids)
     if params.has_penalties:
-        x = apply_penalties(x, [SamplingRow(params, None, prompt_ids, output_ids)])
+        x = apply_penalties(x, [row])
+    if params.has_processors:
+        x = apply_processors(x.clone(), [row])  # in place: never on the caller's logits
     if params.is_greedy:
         tempered = x[0].softmax(dim=-1)
         final = torch.zeros_like(tempered)
@@ -58,8 +64,8 @@ def sampling_distributions(logits: torch.Tensor, params: SamplingParams, prompt_
 
 
 def describe_sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                    token_id: int, top_k: int) -> SampleRecord:
-    raw, tempered, final = sampling_distributions(logits, params, prompt_ids, output_ids)
+                    token_id: int, top_k: int, stop_ids: frozenset[int] = frozenset()) -> SampleRecord:
+    raw, tempered, final = sampling_distributions(logits, params, prompt_ids, output_ids, stop_ids)
     top = raw.topk(min(top_k, raw.shape[0]))
     ids = top.indices.tolist()
     return SampleRecord(

@@ -201,7 +201,8 @@ class RecordingTracer(NullTracer):
         step.spans["detokenize"] = (after, end)
         if self._pending_sample is not None:
             logits, row, output_ids, token_id = self._pending_sample
-            step.sample = describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k)
+            step.sample = describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k,
+                                          row.stop_ids)
             self._pending_sample = None
         elif self._passes.greedy:
             step.sample = self._argmax_sample()

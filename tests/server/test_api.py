@@ -1,6 +1,6 @@
 """The OpenAI API as the official `openai` client sees it, against a real server process on the tiny model:
-chat and completions, streaming or not, usage, stop strings, n > 1, logprobs, tokenize/detokenize, and 32
-concurrent streams that each get exactly their greedy output alone."""
+chat and completions, streaming or not, usage, stop strings, n > 1, logprobs, tokenize/detokenize, logits
+processors, and 32 concurrent streams that each get exactly their greedy output alone."""
 
 from __future__ import annotations
 
@@ -203,3 +203,42 @@ def test_beam_search_returns_the_n_best_beams(server: ServerProcess) -> None:
         "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "beam_width": 2,
         "n": 2}).json()
     assert len(chat["choices"]) == 2 and chat["usage"]["completion_tokens"] > 0
+
+
+def test_logits_processors(client: openai.OpenAI, server: ServerProcess) -> None:
+    def tokens(text: str) -> list[int]:
+        return httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": text,
+                                                         "add_special_tokens": False}).json()["tokens"]
+
+    def text(ids: list[int]) -> str:
+        return httpx.post(server.url + "/detokenize", json={"model": server.model, "tokens": ids}).json()["prompt"]
+
+    cat = tokens("cat")[-1]
+    forced = client.completions.create(model=server.model, prompt="the", max_tokens=6, **GREEDY,
+                                       logit_bias={str(cat): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == text([cat] * 6)
+    chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=6, **GREEDY, logit_bias={str(cat): 100},
+                                          extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content == text([cat] * 6)
+    # cat forced and an end id: it ends the request once min_tokens allow it.
+    for min_tokens, num_tokens in ((0, 1), (4, 5)):
+        ended = client.completions.create(model=server.model, prompt="the", max_tokens=6, **GREEDY,
+                                          logit_bias={str(cat): 100},
+                                          extra_body={"stop_token_ids": [cat], "min_tokens": min_tokens})
+        assert ended.usage is not None and ended.usage.completion_tokens == num_tokens
+        assert ended.choices[0].finish_reason == "stop"
+    allowed = tokens(" the cat")
+    only = client.completions.create(model=server.model, prompt="the", max_tokens=6, **GREEDY,
+                                     extra_body={"ignore_eos": True, "allowed_token_ids": allowed})
+    assert set(tokens(only.choices[0].text)) <= set(allowed)
+    free = client.completions.create(model=server.model, prompt="the", max_tokens=6, **GREEDY,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    banned = client.completions.create(model=server.model, prompt="the", max_tokens=6, **GREEDY,
+                                       extra_body={"ignore_eos": True, "bad_words": [free.split()[0]]})
+    assert banned.choices[0].text != free
+    for key, bias in (("1", 101), ("x", 1), (str(10**6), 1)):
+        with pytest.raises(openai.BadRequestError) as exc:
+            client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=2, logit_bias={key: bias})
+        assert exc.value.response.json()["error"]["param"] == "logit_bias"
