@@ -144,10 +144,10 @@ def test_start_logs_kv_bytes_per_token_and_pool_size(chunked: tuple[LLM, list[st
     assert any(str(bytes_per_token) in m and f"{pool_tokens} tokens" in m for m in messages), messages
 
 
-def test_shared_prefix_reaches_first_token_five_times_sooner() -> None:
+def test_shared_prefix_computes_only_what_follows_the_cache() -> None:
     """Prompts sharing their first 1,000 tokens: a later one computes only what follows the 62 full blocks it finds
-    cached, so its time to first token is a fraction of the first's (the best of two such requests, against noise
-    from other processes)."""
+    cached (the tokens each forward pass took are counted; the time to first token is printed, and measured by
+    benchmarks/latency.py, not asserted: a timing depends on what else the machine runs)."""
     llm = real_llm("smollm2")
     document = [t for p in PROMPTS for t in p["hf_ids"]] * 3
     first_ids = document[:1010]
@@ -155,13 +155,27 @@ def test_shared_prefix_reaches_first_token_five_times_sooner() -> None:
     assert all(ids[1000:] != first_ids[1000:] for ids in later_ids)
     llm.engine.block_manager.reset_prefix_cache()  # whatever earlier tests left in the shared engine
     params = SamplingParams(temperature=0, max_tokens=1)
-    first = llm.generate(first_ids, params, use_tqdm=False)[0]
-    later = [llm.generate(ids, params, use_tqdm=False)[0] for ids in later_ids]
-    assert first.timings["cached_prompt_tokens"] == 0
+    runner = llm.engine.runner
+    computed: list[int] = []
+    execute = runner.execute
+
+    def counting(scheduled):  # noqa: ANN001, ANN202
+        computed.append(sum(item.num_new_tokens for item in scheduled))
+        return execute(scheduled)
+
+    runner.execute = counting
+    try:
+        first = llm.generate(first_ids, params, use_tqdm=False)[0]
+        cold = sum(computed)
+        computed.clear()
+        later = [llm.generate(ids, params, use_tqdm=False)[0] for ids in later_ids]
+    finally:
+        del runner.execute
+    assert first.timings["cached_prompt_tokens"] == 0 and cold == len(first_ids)
     assert all(out.timings["cached_prompt_tokens"] >= 992 for out in later)
+    assert sum(computed) == sum(len(ids) - out.timings["cached_prompt_tokens"] for ids, out in zip(later_ids, later))
+    assert sum(computed) <= 2 * 18
     ttft_first = first.timings["time_to_first_token_s"]
     ttft_later = min(out.timings["time_to_first_token_s"] or float("inf") for out in later)
-    assert ttft_first is not None
     print(f"time to first token: {ttft_first:.3f} s cold, {ttft_later:.3f} s with 992 cached tokens "
           f"({ttft_first / ttft_later:.1f}x)")
-    assert ttft_later * 5 <= ttft_first
