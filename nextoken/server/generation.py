@@ -250,9 +250,6 @@ class Choices:
                 choices=[ChatChoice(index=i, message=self._message(c), logprobs=self._chat_logprobs(c.token_logprobs),
                                     finish_reason=c.finish_reason) for i, c in enumerate(returned)]
             ).model_dump()
-            for choice in body["choices"]:  # other models' messages carry no reasoning field
-                if choice["message"]["reasoning_content"] is None:
-                    del choice["message"]["reasoning_content"]
             return body
         return CompletionResponse(
             id=job.response_id, created=job.created, model=job.model, usage=self.usage(),

@@ -260,7 +260,7 @@ class ChatLogprobs(_Response):
 class AssistantMessage(_Response):
     role: Literal["assistant"] = "assistant"
     content: str
-    reasoning_content: str | None = None  # a reasoning model's thinking section (absent for other models)
+    reasoning_content: str | None = None  # a reasoning model's thinking section (null for other models)
 
 
 class ChatChoice(_Response):
