@@ -264,7 +264,8 @@ class LLMEngine:
                 self._share_prompt(req)
             live = self._live.get(req.request_id)
             if live is None:
-                group = self._beam_groups.get(req.request_id.partition("#")[0]) if "#" in req.request_id else None
+                # A beam's id is its search's, then "#k" (the search's own id may hold a "#" too).
+                group = self._beam_groups.get(req.request_id.rpartition("#")[0]) if "#" in req.request_id else None
                 if group is not None and i in token_for and result is not None:
                     logprob = result.logprobs[token_for[i]]
                     group.record(req, logprob[1] if logprob is not None else [])

@@ -49,9 +49,7 @@ def apply_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
         mask = torch.ones(len(restricted), vocab, dtype=torch.bool, device=logits.device)  # [num_restricted, vocab]
         pairs = [(k, t) for k, i in enumerate(restricted) for t in rows[i].params.allowed_token_ids or () if t < vocab]
         if pairs:
-            mask.index_put_((torch.tensor([k for k, _ in pairs], dtype=torch.long, device=logits.device),
-                             torch.tensor([t for _, t in pairs], dtype=torch.long, device=logits.device)),
-                            torch.tensor(False, device=logits.device))
+            _put(mask, [k for k, _ in pairs], [t for _, t in pairs], torch.tensor(False, device=logits.device))
         idx = torch.tensor(restricted, dtype=torch.long, device=logits.device)
         logits[idx] = logits[idx].masked_fill(mask, float("-inf"))
     # min_tokens and bad_words: -inf at each banned (row, token).

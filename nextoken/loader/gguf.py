@@ -15,7 +15,7 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
@@ -66,24 +66,28 @@ class TensorInfo:
         return n
 
 
-class ModelFile(Protocol):
+class ModelFile:
     """What the rest of nextoken reads of a model: metadata under GGUF keys, tensors under GGUF names and layouts, and
-    their bytes. A GGUF file (`GGUFFile`) and a Hugging Face directory read as one (loader/hf.py `HFDirectory`)."""
+    their bytes (`raw`). A GGUF file (`GGUFFile`) and a Hugging Face directory read as one (loader/hf.py
+    `HFDirectory`) are both one."""
 
     path: Path
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
 
-    def raw(self, name: str) -> np.ndarray: ...
+    def raw(self, name: str) -> np.ndarray:
+        raise NotImplementedError
 
     @property
-    def architecture(self) -> str: ...
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
 
     @property
-    def num_parameters(self) -> int: ...
+    def num_parameters(self) -> int:
+        return sum(t.num_elements for t in self.tensors.values())
 
 
-class GGUFFile:
+class GGUFFile(ModelFile):
     """A parsed, validated GGUF file: `metadata` (key -> value) and `tensors` (name -> TensorInfo).
 
     Scalars become Python values, arrays of strings `list[str]`, numeric arrays numpy arrays. `raw(name)` returns a
@@ -104,14 +108,6 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         info = self.tensors[name]
         return np.frombuffer(self._buffer, dtype=np.uint8, count=info.nbytes, offset=info.offset)
-
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(t.num_elements for t in self.tensors.values())
 
     def __repr__(self) -> str:
         return f"GGUFFile({str(self.path)!r}, version={self.version}, tensors={len(self.tensors)})"

@@ -26,7 +26,7 @@ from gguf import GGMLQuantizationType, LlamaFileType
 from safetensors import SafetensorError, safe_open
 
 from nextoken.errors import ModelLoadError
-from nextoken.loader.gguf import TensorInfo
+from nextoken.loader.gguf import ModelFile, TensorInfo
 from nextoken.loader.hf_conventions import (
     FAMILIES,
     Family,
@@ -75,7 +75,7 @@ class Plan:
     make: Callable[[list[torch.Tensor]], torch.Tensor]
 
 
-class HFDirectory:
+class HFDirectory(ModelFile):
     """A model directory as a GGUF file: `path` (the directory), `metadata`, `tensors`, `raw(name)` as GGUFFile's;
     `sources` (each GGUF tensor's Hugging Face tensors, none for one computed from config.json) and `tokenizer_files`
     (tokenizer.json and the spec derived from it, for the text side)."""
@@ -105,14 +105,6 @@ class HFDirectory:
             return self._handles[source.file].get_tensor(source.name)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(source.file, f"cannot read tensor {source.name!r}: {exc}") from None
-
-    @property
-    def architecture(self) -> str:
-        return str(self.metadata.get("general.architecture", ""))
-
-    @property
-    def num_parameters(self) -> int:
-        return sum(t.num_elements for t in self.tensors.values())
 
     def __repr__(self) -> str:
         return f"HFDirectory({str(self.path)!r}, {self.architecture}, tensors={len(self.tensors)})"

@@ -8,6 +8,8 @@ norms, attention) stay in fp32; only projection weights take the model's weight 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -187,6 +189,15 @@ def rotary_rows(w: torch.Tensor, num_heads: int, to: str) -> torch.Tensor:
     return w.reshape(*split, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
+def activation_fn(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A recipe's activation: "silu", or "gelu_tanh" (GELU, tanh approximation: Gemma's GeGLU, GPT-2's MLP)."""
+    if name == "silu":
+        return F.silu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    raise ValueError(f"unknown activation {name!r}")
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)) with gate and up fused into one matmul: SwiGLU (silu) or GeGLU (gelu tanh)."""
 
@@ -197,12 +208,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(ffn, hidden)
         self.activation = activation
         self.lib = native.library()
-        if activation == "silu":
-            self.act = F.silu
-        elif activation == "gelu_tanh":
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        else:
-            raise ValueError(f"unknown activation {activation!r}")
+        self.act = activation_fn(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * ffn]
@@ -227,12 +233,7 @@ class PlainMLP(nn.Module):
         self.activation = activation
         self.up_bias = nn.Parameter(torch.zeros(ffn), requires_grad=False) if bias else None
         self.down_bias = nn.Parameter(torch.zeros(hidden), requires_grad=False) if bias else None
-        if activation == "silu":
-            self.act = F.silu
-        elif activation == "gelu_tanh":
-            self.act = lambda x: F.gelu(x, approximate="tanh")
-        else:
-            raise ValueError(f"unknown activation {activation!r}")
+        self.act = activation_fn(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up_proj(x)
@@ -267,7 +268,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.router = Linear(hidden, num_experts)
         self.experts = Experts(num_experts, hidden, ffn)
-        self.act = F.silu if activation == "silu" else (lambda x: F.gelu(x, approximate="tanh"))
+        self.act = activation_fn(activation)
         self.shared = GatedMLP(hidden, shared_ffn, activation) if shared_ffn else None
         self.shared_gate = Linear(hidden, 1) if shared_ffn else None
         self.last_choice: tuple[torch.Tensor, torch.Tensor] | None = None

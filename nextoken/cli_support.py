@@ -1,0 +1,162 @@
+"""What the commands share: the model and engine options, the sampling controls and the request's SamplingParams made
+from them (checked against the model's vocabulary through its input processor), and how run and chat print an
+answer."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from nextoken.loader.registry import DEFAULT_MODEL
+
+
+def add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                   help=f"a model name (see `nextoken models`), a path to a .gguf file, or a Hugging Face model "
+                        f"directory (config.json, .safetensors, tokenizer.json) (default: {DEFAULT_MODEL})")
+
+
+def add_engine(p: argparse.ArgumentParser) -> None:
+    add_model(p)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="float weights (activations stay fp32)")
+    p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+                   help="projection weights; auto: --dtype if given, else on CPU int4 for files whose projections "
+                        "are all in blocks the kernels hold exactly (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0: the file's "
+                        "weights, a quarter of fp32's bytes), fp32 for others; bf16 on CUDA")
+    p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
+                   help="KV cache storage; int8 keeps a scale per 32 values (3.8x the tokens of fp32 in the same "
+                        "memory); auto: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--lm-head", default="auto", choices=["auto", "fp32", "int8"],
+                   help="decode's LM head; int8: a quarter of the bytes (the file's Q8_0 blocks as they are, or "
+                        "requantized with its 32 best candidates recomputed in fp32); auto: int8 on CPU unless "
+                        "--weights/--dtype ask for float weights")
+    p.add_argument("--activations", default="int16", choices=["int16", "int8"],
+                   help="how block weights meet the activations in prefill, batches of 12 or more and the LM head "
+                        "from 16 rows: two levels of int16 codes per 32 values (fp32's precision), or int8 ones, outlier "
+                        "columns in fp32 (products 1.3-1.5x faster on CPUs with AVX-512 VNNI; top-1 agreement "
+                        "98.6-99.2%%, above transformers in bf16)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="on CUDA, run decode steps op by op instead of replaying CUDA graphs")
+    p.add_argument("--threads", "-t", type=int, default=None,
+                   help="CPU threads for the kernels (default: one per physical core)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"dtype": args.dtype, "weights": args.weights, "kv_dtype": args.kv_dtype, "lm_head": args.lm_head,
+            "activations": args.activations,
+            "device": args.device, "cuda_graphs": not args.enforce_eager, "threads": args.threads}
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens already output")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtracted per occurrence from tokens already output")
+    p.add_argument("--beam-width", type=int, default=None, metavar="W",
+                   help="beam search with W beams instead of sampling (prints the best beam when it ends)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam search: scores are cumulative log-probability / length ** this")
+    p.add_argument("--early-stopping", action="store_true",
+                   help="beam search: stop as soon as W hypotheses are finished")
+    p.add_argument("--logit-bias", type=_logit_bias, action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS in [-100, 100] to token ID's logit (repeatable; -100 bans, 100 forces)")
+    p.add_argument("--min-tokens", type=int, default=0, metavar="N",
+                   help="no end-of-sequence token before N tokens were generated (stop strings may still end it)")
+    p.add_argument("--bad-words", action="append", default=[], metavar="WORD",
+                   help="never generate WORD (tokenized with and without a leading space; repeatable)")
+    p.add_argument("--allowed-token-ids", type=_token_ids, default=None, metavar="ID,ID,...",
+                   help="generate only these tokens; none given: any")
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if sep:
+            return int(token), float(bias)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r} is not ID=BIAS (a token id and a number)")
+
+
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated token ids") from None
+
+
+def sampling_params(args: argparse.Namespace, inputs: Any, **extra: Any) -> Any:
+    """The request's SamplingParams; `inputs` (the model's InputProcessor) tokenizes --bad-words and checks the
+    processors' ids against the vocabulary. None: the rest only, to fail fast before a model loads."""
+    from nextoken.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            seed=args.seed, stop=tuple(args.stop), beam_width=args.beam_width,
+                            length_penalty=args.length_penalty, early_stopping=args.early_stopping,
+                            logit_bias=dict(args.logit_bias), min_tokens=args.min_tokens,
+                            bad_words=inputs.bad_words_ids(args.bad_words) if inputs is not None else (),
+                            allowed_token_ids=args.allowed_token_ids, **extra)
+    if inputs is not None:
+        inputs.check_processor_ids(params)
+    return params
+
+
+def load_text_side(model: str) -> Any:
+    """The input processor of a model (its tokenizer, chat template and vocabulary) without loading its weights."""
+    from nextoken.engine.engine import load_text_side
+    from nextoken.engine.inputs import InputProcessor
+    from nextoken.loader.registry import open_model, resolve_model
+    from nextoken.models.config import ModelConfig
+
+    gguf = open_model(resolve_model(model))
+    config = ModelConfig.from_gguf(gguf)
+    tokenizer, template = load_text_side(gguf, config)
+    return InputProcessor(tokenizer, template, config.vocab_size)
+
+
+class AnswerPrinter:
+    """An answer streamed to the terminal: a reasoning model's thinking section dimmed where stdout is a terminal, its
+    parts kept apart (`reasoning`, `content`)."""
+
+    DIM, RESET = "\x1b[2m", "\x1b[0m"
+
+    def __init__(self, thinks: bool, prompt_text: str | None, echo: bool = True) -> None:
+        from nextoken.engine.reasoning import ReasoningSplitter, opened_by_prompt
+
+        self.splitter = ReasoningSplitter(opened_by_prompt(prompt_text)) if thinks else None
+        self.echo, self.dim = echo, sys.stdout.isatty()
+        self.reasoning, self.content = "", ""
+
+    def add(self, text: str, finished: bool = False) -> None:
+        if self.splitter is None:
+            self.content += text
+            self._write(text)
+            return
+        reasoning, content = self.splitter.feed(text)
+        if finished:
+            more = self.splitter.finish()
+            reasoning, content = reasoning + more[0], content + more[1]
+        if reasoning:
+            self._write(f"{self.DIM}{reasoning}{self.RESET}" if self.dim else reasoning)
+        if content and not self.content and self.reasoning:
+            self._write("\n\n")  # the thinking and the answer apart
+        self.reasoning += reasoning
+        self.content += content
+        self._write(content)
+
+    def _write(self, text: str) -> None:
+        if self.echo and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
