@@ -123,7 +123,7 @@ def load_text_side(model: str) -> Any:
     gguf = open_model(resolve_model(model))
     config = ModelConfig.from_gguf(gguf)
     tokenizer, template = load_text_side(gguf, config)
-    return InputProcessor(tokenizer, template, config.vocab_size)
+    return InputProcessor(tokenizer, template, config.vocab_size, end_ids=config.eog_ids)
 
 
 class AnswerPrinter:

@@ -9,15 +9,17 @@ bias in [-100, 100] added to its logit), min_tokens (the request's end ids banne
 bad_words (token-id sequences: one token is banned always, a longer one's last token wherever the output ends with
 the rest), allowed_token_ids (no other token may be generated). They bind greedy rows too; log-probabilities stay
 the raw model's. Token ids are checked against the vocabulary where the engine knows it (engine/inputs.py).
+Structured output (`structured_outputs`, engine/grammar.py) is one more processor: a token mask from a grammar.
 Every invalid value raises InvalidSamplingParams naming the parameter and its valid range.
 """
 
 from __future__ import annotations
 
+import json as json_module
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from nextoken.errors import InvalidSamplingParams
 
@@ -30,6 +32,64 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 64
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily (see the module's docstring)
+MAX_GRAMMAR_CHARS = 1 << 17  # a schema, regex or grammar's text
+MAX_CHOICES = 256
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the output must match, as vLLM's StructuredOutputsParams: exactly one of a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object`), a regular expression (`regex`, Rust regex syntax, matched whole),
+    one of a list of strings (`choice`), or a grammar (`grammar`: Lark, or GBNF where it holds "::="). Kept as text
+    (a schema as its JSON text), so the params stay hashable; whether the model can follow it is checked against its
+    tokenizer (engine/grammar.py), whose errors name the keyword at fault. A schema's properties are generated in the
+    order it gives them."""
+
+    json: str | Mapping[str, Any] | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidSamplingParams("invalid structured_outputs: give exactly one of json, json_object, regex, "
+                                        f"choice and grammar (got {', '.join(given) or 'none'})")
+        if isinstance(self.json, Mapping):
+            try:
+                text = json_module.dumps(self.json, allow_nan=False)  # in its order: the output's keys follow it
+            except (TypeError, ValueError) as exc:
+                raise InvalidSamplingParams(f"invalid structured_outputs.json: not a JSON schema ({exc})") from None
+            object.__setattr__(self, "json", text)
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not all(isinstance(c, str) and c for c in self.choice) \
+                    or not 1 <= len(self.choice) <= MAX_CHOICES:
+                raise InvalidSamplingParams(f"invalid structured_outputs.choice: must be 1 to {MAX_CHOICES} "
+                                            "non-empty strings")
+            object.__setattr__(self, "choice", tuple(self.choice))
+        name = given[0]
+        if name in ("json", "regex", "grammar"):
+            text = getattr(self, name)
+            if not isinstance(text, str) or not text.strip() or len(text) > MAX_GRAMMAR_CHARS:
+                raise InvalidSamplingParams(f"invalid structured_outputs.{name}: must be a non-empty string of at "
+                                            f"most {MAX_GRAMMAR_CHARS} characters")
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+    @property
+    def schema(self) -> str:
+        """The JSON schema text, the regex, the choices as a JSON list, or the grammar."""
+        if self.json_object:
+            return '{"type": "object"}'
+        if self.choice is not None:
+            return json_module.dumps(list(self.choice))
+        return cast(str, getattr(self, self.kind))
 
 
 @dataclass(frozen=True)
@@ -62,6 +122,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: tuple[tuple[int, ...], ...] = ()
     allowed_token_ids: tuple[int, ...] | None = None
+    structured_outputs: StructuredOutputs | None = None  # a token mask from a grammar (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,7 +157,8 @@ class SamplingParams:
     @property
     def has_processors(self) -> bool:
         """Whether a logits processor changes this request's logits (some step may still leave them as they are)."""
-        return bool(self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None)
+        return bool(self.logit_bias or self.min_tokens or self.bad_words or self.allowed_token_ids is not None
+                    or self.structured_outputs is not None)
 
     @property
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -202,9 +264,12 @@ class SamplingParams:
             bad = next((t for t in self.allowed_token_ids if not token_id(t)), None)
             if bad is not None:
                 raise fail("allowed_token_ids", bad, "non-negative token ids")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise fail("structured_outputs", self.structured_outputs, "a StructuredOutputs")
         if self.beam_width is not None and self.has_processors:
             # Beams rank the raw model's log-probabilities; a processor there would be accepted and ignored.
             name = next(n for n, v in (("logit_bias", self.logit_bias), ("min_tokens", self.min_tokens),
-                                       ("bad_words", self.bad_words)) if v) \
+                                       ("bad_words", self.bad_words),
+                                       ("structured_outputs", self.structured_outputs)) if v) \
                 if self.allowed_token_ids is None else "allowed_token_ids"
             raise fail(name, getattr(self, name), "unset with beam search")

@@ -108,7 +108,8 @@ class LLMEngine:
         # Prompts in: templates, encoding, the vocabulary and the limits every caller (CLI, LLM, server) checks.
         pool_tokens = self.block_manager.num_blocks * self.block_manager.block_size
         self.inputs = InputProcessor(self.tokenizer, self.chat_template, self.model_config.vocab_size,
-                                     Limits(self.max_model_len, pool_tokens, config.max_tokens_default))
+                                     Limits(self.max_model_len, pool_tokens, config.max_tokens_default),
+                                     end_ids=self.model_config.eog_ids)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
@@ -158,6 +159,8 @@ class LLMEngine:
             self.scheduler.add(root)
             return request_id
         req = Request(request_id, prompt_ids, params, self.eog_ids)
+        if params.structured_outputs is not None:
+            req.grammar = self.inputs.grammars.matcher(params.structured_outputs)
         stream = TextStream(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                             params.include_stop_str_in_output)
         self._live[request_id] = _Live(req, stream)
@@ -250,7 +253,7 @@ class LLMEngine:
         elif sampling:
             rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
                                 scheduled[i].request.prompt_ids, scheduled[i].request.output_ids,
-                                scheduled[i].request.stop_ids)
+                                scheduled[i].request.stop_ids, scheduled[i].request.grammar)
                     for i, _ in sampling]
             result, failed = self._sample(take_rows(logits, [r for _, r in sampling]), rows)
         token_for = {i: k for k, (i, _) in enumerate(sampling)}
@@ -360,6 +363,11 @@ class LLMEngine:
         if logprob is not None:
             req.logprobs.append(logprob)
         stop: tuple[str, int | str | None] | None = None
+        if req.grammar is not None and not req.grammar.accept(token_id):
+            # Only where other processors banned every token the grammar allowed (or a fault): never silently
+            # past the grammar.
+            log.error("request %s: token %d breaks its grammar (%s)", req.request_id, token_id, req.grammar.error)
+            return self._fail(live)
         if token_id in req.stop_ids:
             stop = ("stop", token_id)
             delta = live.text.finish()
@@ -367,6 +375,9 @@ class LLMEngine:
             delta, stop_str = live.text.add(token_id)
             if stop_str is not None:
                 stop = ("stop", stop_str)
+            elif req.grammar is not None and req.grammar.is_stopped:
+                stop = ("stop", None)  # the grammar is complete and nothing may follow
+                delta += live.text.finish()
             elif len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
                 stop = ("length", None)
                 delta += live.text.finish()

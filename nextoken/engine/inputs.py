@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nextoken.engine.grammar import GrammarCompiler
 from nextoken.engine.reasoning import thinks
 from nextoken.errors import InvalidInput, PromptTooLong
 from nextoken.sampling_params import SamplingParams
@@ -79,14 +80,16 @@ def choices(params: SamplingParams, n: int | None = None) -> list[SamplingParams
 
 class InputProcessor:
     """Prompts -> token ids for one model: its tokenizer, chat template and vocabulary size (the embedding's rows,
-    which may exceed the tokenizer's), and the limits `fit` checks (None: a text-side-only processor)."""
+    which may exceed the tokenizer's), the limits `fit` checks (None: a text-side-only processor), and the ids that
+    end a generation (the end a grammar allows once complete)."""
 
     def __init__(self, tokenizer: Tokenizer, chat_template: ChatTemplate, vocab_size: int,
-                 limits: Limits | None = None) -> None:
+                 limits: Limits | None = None, end_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.vocab_size = vocab_size
         self.limits = limits
+        self.grammars = GrammarCompiler(tokenizer, vocab_size, end_ids)  # structured output's (engine/grammar.py)
 
     @property
     def thinks(self) -> bool:
@@ -138,13 +141,17 @@ class InputProcessor:
                     ids.append(encoded)
         return tuple(ids)
 
-    def check_processor_ids(self, params: SamplingParams) -> None:
-        """The token ids of params' logits processors, each within the vocabulary; InvalidInput naming the field."""
+    def check_processor_ids(self, params: SamplingParams, structured_param: str = "structured_outputs") -> None:
+        """The token ids of params' logits processors, each within the vocabulary, and its structured output a grammar
+        this model can follow (compiled now, kept for the request); InvalidInput naming the field
+        (`structured_param`: the request field the structured output came from)."""
         vocab = self.vocab_size
         for param, ids in params.processor_ids.items():
             bad = next((t for t in ids if not t < vocab), None)
             if bad is not None:
                 raise InvalidInput(f"{param}: token id {bad} is outside the vocabulary (0..{vocab - 1})", param)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs, structured_param)
 
     def prompt_ids(self, prompt: Prompt | Chat, *, special_tokens: bool = False, add_special_tokens: bool = True
                    ) -> tuple[str | None, list[int]]:

@@ -1,6 +1,6 @@
 """Logits processors: a step's penalized logits [num_rows, vocab] changed in place by each row's logit_bias,
-min_tokens, bad_words and allowed_token_ids (SamplingParams; OpenAI's and vLLM's meanings), before the greedy argmax
-and the draw.
+min_tokens, bad_words, allowed_token_ids (SamplingParams; OpenAI's and vLLM's meanings) and structured output (the
+grammar's mask, engine/grammar.py), before the greedy argmax and the draw.
 
 Batched over the rows: each processor gathers the (row, token) pairs of the rows that use it into index tensors
 once per step and writes them with one index_put, never a Python loop over the vocabulary. Bans are -inf, biases
@@ -43,6 +43,11 @@ def apply_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     """logits [num_rows, vocab] (one row per entry of `rows`) with every row's processors applied, in place;
     returns them."""
     vocab = logits.shape[1]
+    # Structured output: -inf wherever the row's grammar does not allow the token.
+    constrained = [i for i, r in enumerate(rows) if r.grammar is not None]
+    if constrained:
+        from nextoken.engine.grammar import apply_masks
+        apply_masks(logits, constrained, [rows[i].grammar for i in constrained])  # type: ignore[misc]
     # allowed_token_ids: the rows that restrict get a mask, True everywhere but their allowed ids; -inf there.
     restricted = [i for i, r in enumerate(rows) if r.params.allowed_token_ids is not None]
     if restricted:

@@ -58,6 +58,7 @@ class Request:
         # rank among all tokens, 1 = the most likely); position 0 has none (nothing before it).
         self.prompt_token_logprobs: list[tuple[float, int] | None] = []
         self.beams: list[Any] | None = None  # a finished beam search's best hypotheses (engine/beam.py)
+        self.grammar: Any = None  # structured output's GrammarMatcher (engine/grammar.py), advanced per token
 
     @property
     def num_tokens(self) -> int:

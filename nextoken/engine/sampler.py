@@ -2,8 +2,8 @@
 every sampling decision, from whether a step needs more than its rows' argmax (`argmax_only`) to the draw.
 
 Stage order: 1. penalties (repetition over prompt + output; presence and frequency over output); 2. logits
-processors (engine/processors.py: allowed_token_ids, min_tokens, bad_words, logit_bias); 3. greedy rows
-(temperature 0): argmax of those logits, done; 4-8. the draw: temperature, top-k, top-p, min-p, then one
+processors (engine/processors.py: a grammar's mask, allowed_token_ids, min_tokens, bad_words, logit_bias); 3. greedy
+rows (temperature 0): argmax of those logits, done; 4-8. the draw: temperature, top-k, top-p, min-p, then one
 uniform u in [0, 1) from the request's own CPU generator (seeded requests repeat exactly, whatever the batch).
 
 The draw is defined in exact arithmetic, so that every route gives the same token for the same row, parameters and
@@ -34,12 +34,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from nextoken.engine.processors import apply_processors
 from nextoken.ops import native, sampling
 from nextoken.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nextoken.engine.grammar import GrammarMatcher
 
 
 @dataclass
@@ -49,6 +53,7 @@ class SamplingRow:
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: frozenset[int] = frozenset()  # the ids that end the request: banned until min_tokens
+    grammar: GrammarMatcher | None = None  # structured output's place in its grammar (engine/grammar.py)
 
 
 @dataclass

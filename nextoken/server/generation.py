@@ -20,23 +20,29 @@ from nextoken.engine.engine import LLMEngine
 from nextoken.engine.inputs import choices, prompt_list
 from nextoken.engine.reasoning import ReasoningSplitter, opened_by_prompt
 from nextoken.engine.request import RequestOutput
+from nextoken.engine.tools import ToolCall, ToolCallParser, prepare_messages, template_renders_tools
 from nextoken.errors import NextokenError
 from nextoken.server.errors import ApiError, api_error_from
 from nextoken.server.protocol import (
     MAX_PROMPTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
+from nextoken.server.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     Delta,
+    FunctionCallOut,
+    ToolCallDelta,
+    ToolCallOut,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -62,8 +68,18 @@ class Job:
     echo: bool = False  # completions: the prompt before each choice's text (and its scores, with logprobs)
     per_prompt: int = 1  # engine requests per prompt: n, best_of (sampled, the best n returned) or 1 (a beam search)
     beam: bool = False  # the choices are a beam search's n best beams
+    tool_calls: bool = False  # a chat whose answers may hold tool calls (engine/tools.py), parsed from the content
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
+
+
+def _tool_call(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
+def _tool_call_delta(index: int, call: ToolCall) -> ToolCallDelta:
+    """A completed call as one stream delta: its index among the message's calls, id, name and whole arguments."""
+    return ToolCallDelta(index=index, id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
 
 
 def render_messages(engine: LLMEngine, messages: Sequence[ChatMessage], add_generation_prompt: bool = True,
@@ -91,7 +107,14 @@ def _prompts(engine: LLMEngine, request: CompletionRequest | ChatCompletionReque
     if isinstance(request, ChatCompletionRequest):
         if not request.messages:
             raise ApiError(400, "messages is empty", param="messages")
-        text, ids = render_messages(engine, request.messages, template_kwargs=request.chat_template_kwargs)
+        setup = request.tool_setup()
+        native = template_renders_tools(engine.chat_template.source)
+        messages, tool_vars = prepare_messages([m.model_dump() for m in request.messages], setup, native)
+        extra = {**(request.chat_template_kwargs or {}), **tool_vars}
+        try:
+            text, ids = engine.inputs.render_chat(messages, True, extra)
+        except NextokenError as exc:
+            raise api_error_from(exc, param="messages") from None
         return [ids], [opened_by_prompt(text)] if engine.inputs.thinks else None
     items = prompt_list(request.prompt)
     if not items:
@@ -115,6 +138,7 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
     except NextokenError as exc:
         raise api_error_from(exc) from None
     asked = request.requested_max_tokens()
+    tools = request.tool_setup() if isinstance(request, ChatCompletionRequest) else None
     n = request.num_choices
     queue = engine.config.max_waiting
     subrequests: list[SubRequest] = []
@@ -128,9 +152,12 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
         for p, ids in enumerate(prompts):
             max_tokens = inputs.fit(ids, asked, param=prompt_param)  # asked, or --max-tokens-default within room
             params = request.sampling_params(max_tokens, request.seed)
+            if tools is not None and tools.constraint() is not None:
+                params = replace(params, structured_outputs=tools.constraint())
             if bad_words:
                 params = replace(params, bad_words=bad_words)
-            inputs.check_processor_ids(params)
+            inputs.check_processor_ids(params, "tools" if tools is not None and tools.constraint() is not None
+                                       else request.structured_param)
             if best_of > n and params.logprobs is None:
                 params = replace(params, logprobs=0)  # the chosen tokens' log-probabilities rank the candidates
             for i, choice_params in enumerate(choices(params, best_of)):
@@ -143,7 +170,8 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
                logprobs=subrequests[0].params.logprobs, thinking=thinking,
                echo=isinstance(request, CompletionRequest) and bool(request.echo),
-               per_prompt=len(subrequests) // len(prompts), beam=request.beam_width is not None)
+               per_prompt=len(subrequests) // len(prompts), beam=request.beam_width is not None,
+               tool_calls=tools is not None and tools.calls_possible)
 
 
 @dataclass
@@ -159,6 +187,8 @@ class _Choice:
     last_split: tuple[str, str] = ("", "")  # the latest output's (reasoning, content)
     echoed: bool = False  # its prompt was sent (echo)
     beams: list[Any] | None = None  # a beam search's n best hypotheses
+    tools: ToolCallParser | None = None  # a chat with tools: its content's calls, parsed as it streams
+    new_calls: list[ToolCall] = field(default_factory=list)  # the latest output's completed calls
 
 
 class Choices:
@@ -171,6 +201,9 @@ class Choices:
         if job.thinking is not None:
             for i, choice in enumerate(self.choices):
                 choice.splitter = ReasoningSplitter(job.thinking[i // job.per_prompt])
+        if job.tool_calls:
+            for choice in self.choices:
+                choice.tools = ToolCallParser()
 
     def add(self, index: int, out: RequestOutput) -> None:
         choice = self.choices[index]
@@ -184,17 +217,25 @@ class Choices:
                 for token_id, actual, top in zip(ids, req.prompt_token_logprobs, [None, *req.prompt_logprobs]):
                     choice.token_logprobs.append((token_id, None if actual is None else actual[0], top))
         choice.text.append(out.new_text)
-        if choice.splitter is not None:
-            reasoning, content = choice.splitter.feed(out.new_text)
-            if out.finished:
-                more = choice.splitter.finish()
-                reasoning, content = reasoning + more[0], content + more[1]
+        if choice.splitter is not None or choice.tools is not None:
+            reasoning, content = "", out.new_text
+            if choice.splitter is not None:
+                reasoning, content = choice.splitter.feed(out.new_text)
+                if out.finished:
+                    more = choice.splitter.finish()
+                    reasoning, content = reasoning + more[0], content + more[1]
+            if choice.tools is not None:
+                content, choice.new_calls = choice.tools.feed(content)
+                if out.finished:
+                    content += choice.tools.finish()[0]
             choice.reasoning.append(reasoning)
             choice.content.append(content)
             choice.last_split = (reasoning, content)
         choice.num_tokens = out.num_output_tokens
         if out.finished:
             choice.finish_reason = out.finish_reason
+            if choice.tools is not None and choice.tools.calls and out.finish_reason == "stop":
+                choice.finish_reason = "tool_calls"
         if self.job.logprobs is not None or self.job.per_prompt > self.job.n:  # asked, or ranking best_of
             for token_id, (chosen, top) in zip(out.new_token_ids, out.new_logprobs):
                 choice.token_logprobs.append((token_id, chosen, top))
@@ -203,10 +244,15 @@ class Choices:
 
     @staticmethod
     def _message(choice: _Choice) -> AssistantMessage:
-        if choice.splitter is None:
+        if choice.splitter is None and choice.tools is None:
             return AssistantMessage(content="".join(choice.text))
-        return AssistantMessage(content="".join(choice.content),
-                                reasoning_content="".join(choice.reasoning) if choice.splitter.opened else None)
+        content: str | None = "".join(choice.content)
+        calls = choice.tools.calls if choice.tools is not None else []
+        if calls and not content.strip():  # type: ignore[union-attr]
+            content = None  # as OpenAI: a message of calls only has no content
+        opened = choice.splitter is not None and choice.splitter.opened
+        return AssistantMessage(content=content, reasoning_content="".join(choice.reasoning) if opened else None,
+                                tool_calls=[_tool_call(c) for c in calls] or None)
 
     def usage(self) -> Usage:
         prompt = sum(len(ids) for ids in self.job.prompts)
@@ -276,12 +322,17 @@ class Choices:
                                 out.finish_reason, out.num_prompt_tokens, out.num_output_tokens, out.new_logprobs,
                                 out.request)
         entries = choice.token_logprobs[-num_new:] if self.job.logprobs is not None and num_new else []
-        reasoning, content = choice.last_split if choice.splitter is not None else ("", out.new_text)
-        if not reasoning and not content and not out.finished and not entries:
-            return None  # text held back (a possible stop string or marker, half a character): nothing to send yet
-        reason = out.finish_reason if out.finished else None
+        split = choice.splitter is not None or choice.tools is not None
+        reasoning, content = choice.last_split if split else ("", out.new_text)
+        calls = choice.new_calls
+        if not reasoning and not content and not out.finished and not entries and not calls:
+            return None  # text held back (a stop string, a marker or a tool call, half a character): nothing yet
+        reason = choice.finish_reason if out.finished else None
         if self.job.kind == "chat":
-            delta = Delta(content=content if content or not reasoning else None, reasoning_content=reasoning or None)
+            first = len(choice.tools.calls) - len(calls) if choice.tools is not None else 0
+            delta = Delta(content=content if content or not (reasoning or calls) else None,
+                          reasoning_content=reasoning or None,
+                          tool_calls=[_tool_call_delta(first + k, c) for k, c in enumerate(calls)] or None)
             return self._chunk([ChatChunkChoice(index=index, delta=delta, logprobs=self._chat_logprobs(entries),
                                                 finish_reason=reason)])
         chunk = CompletionResponse(id=self.job.response_id, created=self.job.created, model=self.job.model,

@@ -17,15 +17,17 @@ from pydantic.json_schema import models_json_schema
 
 from nextoken.server.protocol import (
     ChatCompletionRequest,
-    ChatCompletionResponse,
     CompletionRequest,
-    CompletionResponse,
     DetokenizeRequest,
+    TokenizeRequest,
+)
+from nextoken.server.responses import (
+    ChatCompletionResponse,
+    CompletionResponse,
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
     ModelList,
-    TokenizeRequest,
     TokenizeResponse,
 )
 

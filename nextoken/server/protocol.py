@@ -1,13 +1,16 @@
-"""OpenAI request and response bodies for /v1/completions, /v1/chat/completions (and their stream chunks),
-/tokenize and /detokenize.
+"""OpenAI request bodies for /v1/completions, /v1/chat/completions, /tokenize and /detokenize, and their parsing
+(the response bodies: server/responses.py).
 
-Request models are strict and closed: a field nextoken does not implement (tools, response_format, suffix, ...)
-is a 400 naming it, never silently dropped; a value of the wrong JSON type is a 400 too (no "5" for 5). `user` is
-accepted: in OpenAI's API it is metadata for abuse monitoring with no effect on generation, and nextoken neither
-uses nor logs it. logit_bias maps token id strings to biases, as OpenAI's. Extensions beyond OpenAI's fields, with
-vLLM's names: top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, min_tokens, bad_words (strings, each
-banned as tokenized with and without a leading space), allowed_token_ids; and special_tokens (a text prompt's
-special-token text as control tokens, off by default). Ranges are checked by SamplingParams, which names the field.
+Request models are strict and closed: a field nextoken does not implement (suffix, audio, ...) is a 400 naming it,
+never silently dropped; a value of the wrong JSON type is a 400 too (no "5" for 5). `user` is accepted: in OpenAI's
+API it is metadata for abuse monitoring with no effect on generation, and nextoken neither uses nor logs it.
+logit_bias maps token id strings to biases, as OpenAI's. response_format (json_object, json_schema) constrains the
+output, as OpenAI's. Extensions beyond OpenAI's fields, with vLLM's names: top_k, min_p, repetition_penalty,
+ignore_eos, stop_token_ids, min_tokens, bad_words (strings, each banned as tokenized with and without a leading
+space), allowed_token_ids, structured_outputs (json, json_object, regex, choice, grammar); tools, tool_choice and
+parallel_tool_calls as OpenAI's (engine/tools.py); and special_tokens (a text
+prompt's special-token text as control tokens, off by default). Ranges are checked by SamplingParams, which names
+the field.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nextoken.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+from nextoken.engine.tools import NAME, Tool, ToolSetup
+from nextoken.errors import InvalidInput, InvalidSamplingParams
+from nextoken.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, StructuredOutputs
 from nextoken.server.errors import ApiError
 
 MAX_BODY_BYTES = 1 << 20  # larger bodies are refused with 413 before they are read
@@ -44,9 +49,66 @@ class TextPart(_Request):
     text: str
 
 
+class JsonSchemaFormat(_Request):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    strict: bool | None = None  # the output always matches the schema, strict or not
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """Extension (vLLM's): exactly one of these constrains the output (sampling_params.StructuredOutputs)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark, or GBNF
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Request):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None only for an assistant's message of tool calls
+    name: str | None = None  # a participant's name: metadata, as `user`
+    tool_calls: list[ToolCallIn] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # the arguments always match the parameters, strict or not, where calls are required
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _GenerationRequest(_Request):
@@ -77,6 +139,10 @@ class _GenerationRequest(_Request):
     beam_width: Int | None = None
     length_penalty: float | None = None
     early_stopping: bool | None = None
+    # The output constrained to a JSON schema, any JSON object (response_format, OpenAI's), a regex, a list of
+    # choices or a grammar (structured_outputs, vLLM's): engine/grammar.py.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
     @property
     def num_choices(self) -> int:
@@ -101,6 +167,39 @@ class _GenerationRequest(_Request):
         if bad_key is not None:
             raise ApiError(400, f"invalid logit_bias key {bad_key!r}: must be a token id (a non-negative integer "
                                 "as a string)", param="logit_bias")
+        self.structured()
+
+    @property
+    def structured_param(self) -> str:
+        """The request field a structured-output error names."""
+        if self.structured_outputs is not None:
+            return "structured_outputs"
+        return "response_format.json_schema.schema"
+
+    def structured(self) -> StructuredOutputs | None:
+        """response_format or structured_outputs as the engine's StructuredOutputs (None: free text)."""
+        fmt, so = self.response_format, self.structured_outputs
+        if fmt is not None and fmt.type != "text" and so is not None:
+            raise ApiError(400, "give one of response_format and structured_outputs", param="structured_outputs")
+        try:
+            if so is not None:
+                return StructuredOutputs(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                                         choice=None if so.choice is None else tuple(so.choice), grammar=so.grammar)
+            if fmt is None or fmt.type == "text":
+                if fmt is not None and fmt.json_schema is not None:
+                    raise ApiError(400, "response_format.json_schema needs type json_schema",
+                                   param="response_format.json_schema")
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputs(json_object=True)
+            if fmt.json_schema is None:
+                raise ApiError(400, "response_format of type json_schema needs json_schema",
+                               param="response_format.json_schema")
+            schema = fmt.json_schema.schema_
+            return StructuredOutputs(json_object=True) if schema is None else StructuredOutputs(json=schema)
+        except InvalidSamplingParams as exc:
+            raise ApiError(400, str(exc), param="structured_outputs" if so is not None else "response_format") \
+                from None
 
     def sampling_params(self, max_tokens: int, seed: int | None) -> SamplingParams:
         """The params of one engine request (one choice): n is fanned out by the server, `seed` is per choice."""
@@ -118,7 +217,8 @@ class _GenerationRequest(_Request):
             n=self.num_choices if self.beam_width is not None else 1,
             length_penalty=given(self.length_penalty, 1.0), early_stopping=given(self.early_stopping, False),
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()}, min_tokens=given(self.min_tokens, 0),
-            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids))
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            structured_outputs=self.structured())
 
 
 class CompletionRequest(_GenerationRequest):
@@ -158,6 +258,38 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: Int | None = None
     # Extension (vLLM's): more variables for the chat template, as Qwen3's {"enable_thinking": false}.
     chat_template_kwargs: dict[str, bool | int | float | str | None] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def check(self) -> None:
+        super().check()
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise ApiError(400, f"messages[{i}] has no content", param=f"messages[{i}].content")
+            if m.tool_calls is not None and m.role != "assistant":
+                raise ApiError(400, f"messages[{i}]: only assistant messages carry tool_calls",
+                               param=f"messages[{i}].tool_calls")
+            if (m.tool_call_id is not None) != (m.role == "tool"):
+                raise ApiError(400, f"messages[{i}]: a tool message, and only a tool message, carries tool_call_id",
+                               param=f"messages[{i}].tool_call_id")
+        for i, t in enumerate(self.tools or ()):
+            if not NAME.fullmatch(t.function.name):
+                raise ApiError(400, f"invalid tools[{i}].function.name {t.function.name!r}: 1 to 64 letters, digits, "
+                                    "'_', '-' or '.'", param=f"tools[{i}].function.name")
+        if self.tool_setup() is not None and (self.response_format is not None and self.response_format.type != "text"
+                                              or self.structured_outputs is not None):
+            raise ApiError(400, "tools cannot be combined with response_format or structured_outputs", param="tools")
+
+    def tool_setup(self) -> ToolSetup | None:
+        """The request's tools and tool_choice, checked (None without tools)."""
+        tools = [Tool(t.function.name, t.function.description, t.function.parameters or {})
+                 for t in self.tools or ()]
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        try:
+            return ToolSetup.from_request(tools, choice, self.parallel_tool_calls)
+        except InvalidInput as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
 
     def requested_max_tokens(self) -> int | None:
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -203,142 +335,6 @@ class DetokenizeRequest(_Request):
 
     def check(self) -> None:
         pass
-
-
-# --- responses ---------------------------------------------------------------------------------------------------
-
-
-class _Response(BaseModel):
-    """Closed, and every field present in what the server sends (defaults too): the OpenAPI document says so."""
-
-    model_config = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)
-
-
-class Usage(_Response):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class CompletionLogprobs(_Response):
-    tokens: list[str]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-    reasoning_content: str | None = None  # a reasoning model's thinking section (null for other models)
-
-
-class ChatChoice(_Response):
-    index: int
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: Delta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    max_model_len: int
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(_Response):
-    prompt: str
-
-
-class HealthResponse(_Response):
-    status: Literal["ok"]
-
-
-class ErrorDetail(_Response):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(_Response):
-    """OpenAI's error object; every non-2xx answer but a 499 (nobody is listening) carries one."""
-
-    error: ErrorDetail
 
 
 # --- parsing -----------------------------------------------------------------------------------------------------
@@ -404,5 +400,7 @@ def _validation_error(exc: ValidationError) -> ApiError:
 
 
 _FIELD_NAMES = frozenset(name for m in (CompletionRequest, ChatCompletionRequest, TokenizeRequest,
-                                        DetokenizeRequest, ChatMessage, TextPart, StreamOptions)
-                         for name in m.model_fields)
+                                        DetokenizeRequest, ChatMessage, TextPart, StreamOptions, ResponseFormat,
+                                        JsonSchemaFormat, StructuredOutputsField, ToolCallIn, FunctionCall,
+                                        ToolDefinition, FunctionDefinition, NamedToolChoice, NamedFunction)
+                         for name in m.model_fields) | {"schema", "json"}

@@ -40,8 +40,12 @@ def _assert_clean(response: httpx.Response) -> None:
 
 
 @pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}, "tools[0].function.arguments"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema.name"),
+    ({"structured_outputs": {"regex": "(", "grammar": "x"}}, "structured_outputs"),
+    ({"suffix": "x"}, "suffix"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"five": 1}}, "logit_bias"),
     ({"logit_bias": {"-5": 1}}, "logit_bias"),
