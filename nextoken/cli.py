@@ -13,8 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from nextoken.cli_support import (AnswerPrinter, add_engine, add_model, add_sampling, engine_options, load_text_side,
-                                  sampling_params)
+from nextoken.cli_support import (AnswerPrinter, DefaultsHelp, add_engine, add_model, add_sampling, engine_options,
+                                  load_text_side, sampling_params)
 from nextoken.errors import NextokenError
 
 EXIT_USAGE = 2
@@ -264,7 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("run", help="answer one prompt, streaming the text",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelp)
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
     add_engine(p)
     add_sampling(p)
@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=DefaultsHelp)
     add_engine(p)
     add_sampling(p)
     p.add_argument("--system", default=None)
@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("ids", nargs="+")
     add_model(p)
     p.set_defaults(func=cmd_detokenize)
-    p = sub.add_parser("trace", help="run one prompt and show every stage: tokens, timings, candidates, cost")
+    p = sub.add_parser("trace", help="run one prompt and show every stage: tokens, timings, candidates, cost",
+                       formatter_class=DefaultsHelp)
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
     add_engine(p)
     add_sampling(p)

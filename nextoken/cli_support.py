@@ -11,6 +11,18 @@ from typing import Any
 from nextoken.loader.registry import DEFAULT_MODEL
 
 
+class DefaultsHelp(argparse.HelpFormatter):
+    """Help that shows each option's default, where it has one worth showing and its text does not already say."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == [] or default == argparse.SUPPRESS \
+                or "default" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", "-m", default=DEFAULT_MODEL,
                    help=f"a model name (see `nextoken models`), a path to a .gguf file, or a Hugging Face model "
@@ -51,13 +63,16 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_sampling(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=256, help="the most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens; 0 turns it off")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the likeliest tokens holding this much probability; 1 turns it off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the likeliest; 0 turns it off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or output")
+    p.add_argument("--seed", type=int, default=None, help="a seeded request draws the same tokens every time")
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="subtracted once from tokens already output")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -76,6 +91,41 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
                    help="never generate WORD (tokenized with and without a leading space; repeatable)")
     p.add_argument("--allowed-token-ids", type=_token_ids, default=None, metavar="ID,ID,...",
                    help="generate only these tokens; none given: any")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    shape.add_argument("--json-schema", metavar="FILE", default=None,
+                       help="the output is JSON matching the JSON schema in FILE")
+    shape.add_argument("--regex", metavar="REGEX", default=None, help="the output matches REGEX, whole")
+    shape.add_argument("--grammar", metavar="FILE", default=None,
+                       help="the output follows the grammar in FILE (Lark, or llama.cpp's GBNF)")
+    shape.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                       help="the output is one of these texts (repeatable)")
+
+
+def structured_outputs(args: argparse.Namespace) -> Any:
+    """--json-object, --json-schema, --regex, --grammar or --choice as a StructuredOutputs (None: free text)."""
+    from nextoken.errors import InvalidInput
+    from nextoken.sampling_params import StructuredOutputs
+
+    def read(flag: str, path: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise InvalidInput(f"{flag} {path}: {exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'}") \
+                from None
+
+    if args.json_object:
+        return StructuredOutputs(json_object=True)
+    if args.json_schema is not None:
+        return StructuredOutputs(json=read("--json-schema", args.json_schema))
+    if args.regex is not None:
+        return StructuredOutputs(regex=args.regex)
+    if args.grammar is not None:
+        return StructuredOutputs(grammar=read("--grammar", args.grammar))
+    if args.choice is not None:
+        return StructuredOutputs(choice=tuple(args.choice))
+    return None
 
 
 def _logit_bias(text: str) -> tuple[int, float]:
@@ -107,9 +157,12 @@ def sampling_params(args: argparse.Namespace, inputs: Any, **extra: Any) -> Any:
                             length_penalty=args.length_penalty, early_stopping=args.early_stopping,
                             logit_bias=dict(args.logit_bias), min_tokens=args.min_tokens,
                             bad_words=inputs.bad_words_ids(args.bad_words) if inputs is not None else (),
-                            allowed_token_ids=args.allowed_token_ids, **extra)
+                            allowed_token_ids=args.allowed_token_ids, structured_outputs=structured_outputs(args),
+                            **extra)
     if inputs is not None:
-        inputs.check_processor_ids(params)
+        flag = next((f"--{n.replace('_', '-')}" for n in ("json_object", "json_schema", "regex", "grammar", "choice")
+                     if getattr(args, n) not in (None, False)), "structured_outputs")
+        inputs.check_processor_ids(params, flag)
     return params
 
 

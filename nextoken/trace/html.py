@@ -20,7 +20,8 @@ import torch
 
 from nextoken.models.probe import MODULES
 from nextoken.trace.replay import Agreement
-from nextoken.trace.report import PATH_LABELS, describe_agreement, describe_paths, describe_replay, show_piece
+from nextoken.trace.report import (PATH_LABELS, describe_agreement, describe_effect, describe_paths, describe_replay,
+                                   show_piece)
 from nextoken.trace.run import RunResult
 from nextoken.trace.summary import Summary
 from nextoken.trace.tracer import STAGES, RecordingTracer
@@ -108,6 +109,7 @@ function select(i) {
       s.h_final.toFixed(2) + ' as sampled; ' + s.kept + ' tokens kept'));
     alt.appendChild(el('div', {class: 'muted path'}, 'computed on: ' + s.path));
     if (s.replay) alt.appendChild(el('div', {class: 'muted'}, s.replay));
+    for (const e of s.effects) alt.appendChild(el('div', {class: 'muted effect'}, e));
     const tb = el('table'), pct = x => x === null ? '-' : (100 * x).toFixed(1) + '%';
     tb.appendChild(el('tr')).append(el('th', {}, 'candidate'), el('th', {}, 'raw'), el('th', {}, 'after T'),
                                     el('th', {}, 'final'), el('th'));
@@ -203,7 +205,8 @@ def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
             cands.append([show_piece(tok, rec.token_id), rec.drawn_raw_prob, None, rec.drawn_final_prob, True])
         steps.append({"cands": cands, "h_raw": rec.entropy_raw, "h_final": rec.entropy_final, "kept": rec.num_kept,
                       "path": f"{step.path} ({PATH_LABELS[step.path]})",
-                      "replay": None if step.replay is None else _replay_text(step.replay)})
+                      "replay": None if step.replay is None else _replay_text(step.replay),
+                      "effects": [f"{e.name}: {describe_effect(tok, e)}" for e in rec.effects]})
     lanes = []
     for stage in STAGES:
         spans = [list(tracer.spans[stage])] if stage in tracer.spans else []

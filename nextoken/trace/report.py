@@ -233,8 +233,34 @@ def _output(console: Console, llm: Any, run: RunResult, s: Summary, tracer: Reco
                       f"{rec.entropy_final:.2f}", f"{rec.num_kept:,}", cands)
     console.print(table)
     console.print("H = entropy in bits; kept = tokens left with nonzero probability after top-k/top-p/min-p")
+    _effects(console, tok, tracer.samples)
     console.print(Panel(Text(run.text), title=f"generated ({len(run.output_ids)} tokens, finish: "
                                               f"{run.finish_reason})", title_align="left", expand=False))
+
+
+def describe_effect(tok: Any, e: Any) -> str:
+    """One processor's effect at a step, in words: what it changed, and for a grammar what it allowed."""
+    if e.num_allowed is not None:
+        shown = ", ".join(show_piece(tok, i) for i in e.allowed_ids)
+        more = "" if e.num_allowed <= len(e.allowed_ids) else ", ..."
+        return f"allowed {e.num_allowed:,} tokens ({shown}{more}), -inf on {e.num_changed:,}"
+    shown = ", ".join(show_piece(tok, i) for i in e.ids) + ("" if e.num_changed <= len(e.ids) else ", ...")
+    return f"changed {e.num_changed:,} logit{'' if e.num_changed == 1 else 's'} ({shown})"
+
+
+def _effects(console: Console, tok: Any, samples: list[Any]) -> None:
+    """Per step, each logits processor that changed a logit (the likeliest tokens it touched), and what a grammar
+    allowed."""
+    rows = [(i, e) for i, rec in enumerate(samples) for e in rec.effects]
+    if not rows:
+        return
+    table = Table(show_edge=False, title="logits processors: what each changed at every step (tokens by raw "
+                  "probability)", title_justify="left")
+    for col in ("step", "processor", "effect"):
+        table.add_column(col, justify="right" if col == "step" else "left")
+    for i, e in rows[:MAX_TOKEN_ROWS * 2]:
+        table.add_row(str(i), e.name, Text(describe_effect(tok, e)))
+    console.print(table)
 
 
 def _rate(value: float | None, peak: float | None, unit: str) -> str:

@@ -103,7 +103,7 @@ class RecordingTracer(NullTracer):
         self._request: Request | None = None
         self._step: StepRecord | None = None
         self._num_output = 0  # the request's tokens before this step
-        self._pending_sample: tuple[torch.Tensor, SamplingRow, list[int], int] | None = None
+        self._pending_sample: tuple[torch.Tensor, SamplingRow, list[int], int, Any] | None = None
 
     @property
     def max_blocks(self) -> int:
@@ -200,9 +200,9 @@ class RecordingTracer(NullTracer):
         after = marks.get("sample_end", marks.get("model_end", marks["step"]))
         step.spans["detokenize"] = (after, end)
         if self._pending_sample is not None:
-            logits, row, output_ids, token_id = self._pending_sample
+            logits, row, output_ids, token_id, allowed = self._pending_sample
             step.sample = describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k,
-                                          row.stop_ids)
+                                          row.stop_ids, allowed)
             self._pending_sample = None
         elif self._passes.greedy:
             step.sample = self._argmax_sample()
@@ -264,8 +264,11 @@ class RecordingTracer(NullTracer):
             idx = 0
         if idx is not None:
             # Copies: the engine appends the drawn token to output_ids right after, and penalties need the before.
+            # A grammar's mask now, before the drawn token advances its matcher.
+            grammar = rows[idx].grammar
             self._pending_sample = (logits[idx].detach().float().cpu().clone(), rows[idx],
-                                    list(rows[idx].output_ids), result.token_ids[idx])
+                                    list(rows[idx].output_ids), result.token_ids[idx],
+                                    grammar.allowed() if grammar is not None else None)
 
     # --- summaries ---------------------------------------------------------------------------------------
 

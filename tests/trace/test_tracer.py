@@ -11,6 +11,7 @@ import torch
 
 from nextoken import LLM, SamplingParams
 from nextoken.errors import PromptTooLong
+from nextoken.sampling_params import StructuredOutputs
 from nextoken.trace.attention import select_layers
 from nextoken.trace.run import run_request
 from nextoken.trace.tracer import STAGES, NullTracer, RecordingTracer
@@ -206,3 +207,28 @@ def test_select_layers_spreads_evenly_with_both_ends() -> None:
     assert select_layers(30, 40) == list(range(30))
     assert select_layers(30, 4) == [0, 10, 19, 29]
     assert select_layers(30, 1) == [29]
+
+
+def test_each_processor_is_shown_with_the_logits_it_changed_and_the_grammar_with_what_it_allowed(
+        llama_llm: LLM) -> None:
+    tok = llama_llm.engine.tokenizer
+    digits = {tok.token_to_id(str(d)) for d in range(10)}
+    first = run_request(llama_llm, PROMPT, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)).output_ids
+    banned = first[0]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=4, logit_bias={banned: -100, 7: 3.5},
+                            repetition_penalty=1.3, structured_outputs=StructuredOutputs(regex="[0-9]{4}"))
+    tracer = RecordingTracer()
+    run = run_request(llama_llm, PROMPT, params, tracer=tracer)
+    assert all(t in digits for t in run.output_ids) and len(run.output_ids) == 4
+    for step, rec in enumerate(tracer.samples):
+        effects = {e.name: e for e in rec.effects}
+        assert list(effects) == ["penalties", "structured_outputs", "logit_bias"]  # the sampler's order
+        grammar = effects["structured_outputs"]
+        assert grammar.num_allowed == 10 and set(grammar.allowed_ids) <= digits  # what the grammar allowed here
+        assert grammar.num_changed == llama_llm.engine.inputs.vocab_size - 10
+        assert effects["logit_bias"].num_changed == 2 and set(effects["logit_bias"].ids) == {banned, 7}
+        seen = set(run.prompt_ids) | set(run.output_ids[:step])
+        assert effects["penalties"].num_changed == len(seen)  # every token already seen, and nothing else
+    plain = RecordingTracer()
+    run_request(llama_llm, PROMPT, SamplingParams(temperature=0, max_tokens=2), tracer=plain)
+    assert all(not rec.effects for rec in plain.samples)

@@ -173,3 +173,26 @@ def test_any_json_object_regex_choice_and_both_grammar_syntaxes(llm: LLM) -> Non
     assert all(re.fullmatch(r"\([a-z](,[a-z])*\)", t) for t in texts(StructuredOutputs(grammar=lark)))
     gbnf = 'root ::= "<" digit digit ">"\ndigit ::= [0-9]'
     assert all(re.fullmatch(r"<[0-9]{2}>", t) for t in texts(StructuredOutputs(grammar=gbnf)))
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 49_152])
+def test_the_native_mask_fill_equals_the_bits_expanded(vocab: int) -> None:
+    from nextoken.ops import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.fail("the native kernels did not build")
+    gen = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32 - (1 if vocab > 64 else 0)  # a mask shorter than the row: the rest is banned
+    bits = torch.randint(0, 2**32, (3, words), generator=gen, dtype=torch.int64).numpy().astype("uint32")
+    bits[1, : words // 2] = 0xFFFFFFFF  # whole words allowed and banned, the kernel's shortcuts
+    bits[2, words // 2:] = 0
+    logits = torch.randn(5, vocab, generator=gen)
+    got = logits.clone()
+    native.mask_rows(lib, got, [4, 0, 2], bits)
+    expected = logits.clone()
+    for k, r in enumerate([4, 0, 2]):
+        for j in range(vocab):
+            if j >= 32 * words or not (int(bits[k, j // 32]) >> (j % 32)) & 1:
+                expected[r, j] = float("-inf")
+    assert got.equal(expected)

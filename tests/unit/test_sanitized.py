@@ -1,7 +1,7 @@
 """The native kernels under AddressSanitizer and UndefinedBehaviorSanitizer: the kernel tests (test_native.py), the
-generated shapes and block contents (test_native_fuzz.py) and the draw on every build (test_draw_routes.py) run again
-in a child process whose every build of the kernels is instrumented (NEXTOKEN_NATIVE_SANITIZE=1, see ops/native
-SANITIZE_FLAGS) with the sanitizers' runtimes preloaded. Any out-of-bounds access, use after free or undefined
+generated shapes and block contents (test_native_fuzz.py), the draw on every build (test_draw_routes.py) and the
+grammar's mask fill (test_grammar.py) run again in a child process whose every build of the kernels is instrumented
+(NEXTOKEN_NATIVE_SANITIZE=1, see ops/native SANITIZE_FLAGS) with the sanitizers' runtimes preloaded. Any out-of-bounds access, use after free or undefined
 behaviour aborts the child with a report, which fails this test.
 """
 
@@ -26,7 +26,8 @@ def test_kernels_under_address_and_undefined_behaviour_sanitizers() -> None:
     env = {**os.environ, "NEXTOKEN_NATIVE_SANITIZE": "1", "ASAN_OPTIONS": "detect_leaks=0",
            "UBSAN_OPTIONS": "print_stacktrace=1", "LD_PRELOAD": f"{runtime('libasan.so')} {runtime('libubsan.so')}"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/unit/test_native_fuzz.py",
-           "tests/unit/test_native.py", "tests/unit/test_draw_routes.py"]
+           "tests/unit/test_native.py", "tests/unit/test_draw_routes.py",
+           "tests/unit/test_grammar.py::test_the_native_mask_fill_equals_the_bits_expanded"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     report = proc.stdout[-6000:] + proc.stderr[-6000:]
     assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, report

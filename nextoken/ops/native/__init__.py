@@ -347,6 +347,19 @@ def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, temperature: list[float]
     return list(out)
 
 
+_SIGNATURES["nt_mask_rows"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64])
+
+
+def mask_rows(lib: ctypes.CDLL, logits: torch.Tensor, rows: list[int], masks: np.ndarray) -> None:
+    """-inf in fp32 logits [R, N] (unit column stride), in place, wherever row rows[k]'s bit is 0 in masks[k]
+    (a C-contiguous uint32 array [len(rows), words], llguidance's bitmask layout; entries past 32 * words too)."""
+    _check(logits)
+    assert masks.dtype.itemsize == 4 and masks.flags["C_CONTIGUOUS"] and masks.shape[0] == len(rows)
+    index = (ctypes.c_int64 * len(rows))(*rows)
+    lib.nt_mask_rows(logits.data_ptr(), len(rows), logits.shape[1], logits.stride(0), ctypes.addressof(index),
+                     masks.ctypes.data, masks.shape[1])
+
+
 # The attention and decode wrappers (decoding.py) register their signatures as they are imported.
 from nextoken.ops.native.decoding import (_KV_KINDS, attends, cache_struct, decode_attention, decode_layers,  # noqa: E402,F401
                                           decode_scratch, decode_step, prefill_attention, store_rows)

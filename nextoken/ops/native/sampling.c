@@ -505,3 +505,26 @@ void nt_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ld, int64_t *o
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int64_t r = 0; r < M; r++) out[r] = argmax_row(x + r * ld, N);
 }
+
+/* A grammar's masks (engine/grammar.py): for k < M, row rows[k] of logits (row stride ld, N entries) gets -inf
+ * wherever bit j of mask k (words 32-bit words, bit j % 32 of word j / 32, little-endian bit order, as llguidance
+ * writes them) is 0, and past the mask's 32 * words entries. A whole word at once where it is all ones or all
+ * zeros, the usual case in a grammar's mask. */
+void nt_mask_rows(float *logits, int64_t M, int64_t N, int64_t ld, const int64_t *rows, const uint32_t *masks,
+                  int64_t words) {
+    for (int64_t k = 0; k < M; k++) {
+        float *x = logits + rows[k] * ld;
+        const uint32_t *bits = masks + k * words;
+        for (int64_t w = 0; w < words && 32 * w < N; w++) {
+            uint32_t b = bits[w];
+            int64_t base = 32 * w, end = base + 32 < N ? base + 32 : N;
+            if (b == 0xFFFFFFFFu)
+                continue;
+            for (int64_t j = base; j < end; j++)
+                if (!((b >> (j - base)) & 1u))
+                    x[j] = -INFINITY;
+        }
+        for (int64_t j = 32 * words; j < N; j++)
+            x[j] = -INFINITY;
+    }
+}
