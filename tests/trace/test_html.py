@@ -19,6 +19,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from nextoken import LLM, SamplingParams
+from nextoken.sampling_params import StructuredOutputs
 from nextoken.trace.command import TraceOptions, trace
 from nextoken.trace.report import make_console
 from tests.conftest import needs_native
@@ -157,3 +158,17 @@ def _cells(dom: str) -> list[str]:
     parsed = _Dom()
     parsed.feed(dom)
     return parsed.cells
+
+
+def test_the_selected_step_says_what_the_grammar_allowed(tiny_llama: Path, tmp_path: Path) -> None:
+    out = tmp_path / "trace.html"
+    params = SamplingParams(temperature=0, max_tokens=3, logit_bias={5: -2.0},
+                            structured_outputs=StructuredOutputs(regex="[0-9]{3}"))
+    trace("the cat sat", params, TraceOptions(model=str(tiny_llama), device="cpu", html=out),
+          make_console(io.StringIO()))
+    result = run_chromium(out, tmp_path, "--dump-dom")
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = re.sub(r"<[^>]+>", " ", result.stdout)
+    assert re.search(r"structured_outputs: allowed 10 tokens \('\d', '\d', '\d', '\d', '\d', '\d', \.\.\.\), "
+                     r"-inf on [\d,]+", text), text[-3000:]
+    assert "logit_bias: changed 1 logit (" in text
