@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nextoken.config import EngineConfig
@@ -19,6 +19,7 @@ from nextoken.engine.inputs import Chat, PreparedPrompt, prompt_list
 from nextoken.engine.reasoning import opened_by_prompt, split
 from nextoken.engine.scoring import Perplexity, perplexity
 from nextoken.engine.request import Request, RequestOutput
+from nextoken.engine.tools import Tool, ToolCall, ToolCallParser, ToolSetup, prepare_messages, template_renders_tools
 from nextoken.errors import InvalidInput, NextokenError
 from nextoken.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class Completion:
     # A reasoning model's chat: the thinking section (None where the answer has none) and the rest of the text.
     reasoning: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None  # a chat with tools: the calls parsed out of the text (engine/tools.py)
 
 
 @dataclass
@@ -118,19 +120,41 @@ class LLM:
                          params, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
-             use_tqdm: bool | None = None, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[GenerationOutput]:
+             use_tqdm: bool | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
+             parallel_tool_calls: bool | None = None) -> list[GenerationOutput]:
         """Conversations through the chat template (`chat_template_kwargs`: more template variables, as Qwen3's
-        {"enable_thinking": False}); a reasoning model's completions carry `reasoning` and `content` apart."""
+        {"enable_thinking": False}); a reasoning model's completions carry `reasoning` and `content` apart. `tools`,
+        `tool_choice` and `parallel_tool_calls` as OpenAI's (messages may carry `tool_calls` and the `tool` role):
+        completions then carry `tool_calls` and the rest as `content` (engine/tools.py)."""
         params = params or SamplingParams()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prepared = [self.inputs.process(Chat(list(c), template_kwargs=chat_template_kwargs or {}), params)
-                    for c in conversations]  # type: ignore[arg-type]
+        setup = ToolSetup.from_request([Tool.from_openai(t) for t in tools or ()], tool_choice, parallel_tool_calls)
+        native = template_renders_tools(self.inputs.chat_template.source)
+        if setup is not None and setup.constraint() is not None:
+            params = replace(params, structured_outputs=setup.constraint())
+        prepared = []
+        for c in conversations:
+            shown, tool_vars = prepare_messages(list(c), setup, native)  # type: ignore[arg-type]
+            chat = Chat(shown, template_kwargs={**(chat_template_kwargs or {}), **tool_vars})
+            prepared.append(self.inputs.process(chat, params))
         results = self._run(prepared, params, use_tqdm)
-        if self.inputs.thinks:
-            for result in results:
-                for completion in result.outputs:
+        for result in results:
+            for completion in result.outputs:
+                if self.inputs.thinks:
                     completion.reasoning, completion.content = split(completion.text, opened_by_prompt(result.prompt))
+                if setup is not None and not setup.calls_possible:
+                    if completion.content is None:
+                        completion.content = completion.text
+                    completion.tool_calls = []
+                elif setup is not None:
+                    parser = ToolCallParser()
+                    content = parser.feed(completion.content if completion.content is not None
+                                          else completion.text)[0] + parser.finish()[0]
+                    completion.tool_calls = parser.calls
+                    completion.content = content if content.strip() or not parser.calls else None
+                    if parser.calls and completion.finish_reason == "stop":
+                        completion.finish_reason = "tool_calls"
         return results
 
     def perplexity(self, text: str, *, context: int | None = None, stride: int | None = None,

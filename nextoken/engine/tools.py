@@ -49,6 +49,20 @@ class Tool:
     description: str | None
     parameters: Mapping[str, Any]  # a JSON schema of the arguments object
 
+    @classmethod
+    def from_openai(cls, tool: Mapping[str, Any]) -> Tool:
+        """OpenAI's {"type": "function", "function": {"name", "description", "parameters"}}, checked."""
+        function = tool.get("function") if isinstance(tool, Mapping) and tool.get("type") == "function" else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) \
+                or not NAME.fullmatch(function["name"]):
+            raise InvalidInput(f"invalid tool {tool!r}: must be {{'type': 'function', 'function': {{'name': ..., "
+                               "'parameters': {...}}}} with a name of 1 to 64 letters, digits, '_', '-' or '.'",
+                               "tools")
+        parameters = function.get("parameters") or {}
+        if not isinstance(parameters, Mapping):
+            raise InvalidInput(f"invalid tool {function['name']!r}: parameters must be a JSON schema", "tools")
+        return cls(function["name"], function.get("description"), parameters)
+
     def as_openai(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}
         if self.description:

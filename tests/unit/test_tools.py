@@ -4,7 +4,6 @@ own tools, tool_choice's checks, and the grammar that makes required calls valid
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -19,6 +18,7 @@ from nextoken.engine.tools import (
     template_renders_tools,
 )
 from nextoken.errors import InvalidInput
+from tests.tiny import write_tiny_model
 
 WEATHER = Tool("get_weather", "The weather.", {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
@@ -95,8 +95,10 @@ def test_the_convention_renders_tools_calls_and_results_as_turns_every_template_
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_llama: Path) -> LLM:
-    return LLM(str(tiny_llama), weights="fp32", device="cpu", kv_cache_bytes=32 << 20)
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    # A longer context than the other tiny models': the tools' system message is long in a byte-level vocabulary.
+    path = write_tiny_model(tmp_path_factory.mktemp("tools") / "tiny-llama-2k.gguf", "llama", shape={"context": 2048})
+    return LLM(str(path), weights="fp32", device="cpu", kv_cache_bytes=32 << 20)
 
 
 @pytest.mark.parametrize(("choice", "parallel"), [("required", False), ("required", True),
@@ -114,3 +116,22 @@ def test_required_and_named_calls_always_parse_and_validate(llm: LLM, choice: ob
         for call in calls:
             assert choice == "required" or call.name == "get_weather"
             jsonschema.validate(json.loads(call.arguments), (WEATHER if call.name == "get_weather" else CLOCK).parameters)
+
+
+def test_llm_chat_takes_tools_as_openai_does(llm: LLM) -> None:
+    weather = WEATHER.as_openai()
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = llm.chat([{"role": "user", "content": "weather?"}], SamplingParams(temperature=1.0, seed=1, max_tokens=200),
+                   tools=[weather], tool_choice=named)[0].outputs[0]
+    assert out.finish_reason == "tool_calls" and out.content is None and out.tool_calls is not None
+    [call] = out.tool_calls
+    jsonschema.validate(json.loads(call.arguments), WEATHER.parameters)
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    answer = llm.chat(history, SamplingParams(temperature=0, max_tokens=8), tools=[weather],
+                      tool_choice="none")[0].outputs[0]
+    assert answer.content == answer.text and answer.tool_calls == []
+    with pytest.raises(InvalidInput, match="invalid tool"):
+        llm.chat([{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {"name": "a b"}}])
