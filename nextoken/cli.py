@@ -111,13 +111,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     ids = prepared.prompt_ids
     show = AnswerPrinter(llm.inputs.thinks and not args.raw, prepared.text, echo=not args.json)
     text, token_ids, last = [], [], None
-    for out in llm.stream(ids, prepared.params[0]):
+    run_params = prepared.params[0]
+    if args.record is not None:
+        from nextoken.engine.record import with_logprobs
+        if params.beam_width is not None:
+            raise NextokenError("--record writes one sampled or greedy request; not with --beam-width")
+        run_params = with_logprobs(run_params)  # the record's top-K per token: the tokens drawn are the same
+    for out in llm.stream(ids, run_params):
         show.add(out.new_text, finished=out.finished)
         text.append(out.new_text)
         token_ids.extend(out.new_token_ids)
         last = out
     assert last is not None and last.request is not None
     req = last.request
+    if args.record is not None:
+        from nextoken.engine.record import make_bundle, write_bundle
+        write_bundle(args.record, make_bundle(llm.engine, req, prepared.text, "".join(text), prepared.params[0]))
     if args.json:
         result: dict[str, Any] = {
             "model": args.model, "prompt_token_ids": ids, "token_ids": token_ids, "text": "".join(text),
@@ -145,6 +154,18 @@ def cmd_run(args: argparse.Namespace) -> int:
                   f"TTFT {t['time_to_first_token_s'] or 0:.3f} s, decode {t['decode_tokens_per_s'] or 0:.1f} tok/s]",
                   file=sys.stderr)
     return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from nextoken.engine.record import engine_settings, read_bundle
+    from nextoken.llm import LLM
+
+    bundle = read_bundle(args.bundle)
+    model = args.model or bundle.data["model"]["path"]
+    llm = LLM(model, **engine_settings(bundle))
+    result = llm.replay(args.bundle)
+    print(result.message)
+    return 0 if result.identical else 1
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -277,7 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", "-v", action="store_true", help="print token counts and speed to stderr")
     p.add_argument("--no-thinking", action="store_true",
                    help="a reasoning model answers without its thinking section (the template's enable_thinking)")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write the request to FILE, to replay (`nextoken replay FILE`): the model's identity, the "
+                        "prompt's ids, the parameters and seed, the engine's settings, each token's top-5")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("replay", help="run a recorded request again and say whether it is identical, or where not")
+    p.add_argument("bundle", help="a file written by `nextoken run --record`")
+    p.add_argument("--model", "-m", default=None,
+                   help="the model file to run it on (default: the recorded path); refused unless it is the same file")
+    p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)",
                        formatter_class=DefaultsHelp)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -17,6 +18,8 @@ from nextoken.config import EngineConfig
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine.inputs import Chat, PreparedPrompt, prompt_list
 from nextoken.engine.reasoning import opened_by_prompt, split
+from nextoken.engine.record import (ReplayResult, check_model, compare, make_bundle, read_bundle, with_logprobs,
+                                    write_bundle)
 from nextoken.engine.scoring import Perplexity, perplexity
 from nextoken.engine.request import Request, RequestOutput
 from nextoken.engine.tools import Tool, ToolCall, ToolCallParser, ToolSetup, prepare_messages, template_renders_tools
@@ -114,19 +117,20 @@ class LLM:
     # --- generation ------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, *,
-                 use_tqdm: bool | None = None) -> list[GenerationOutput]:
+                 use_tqdm: bool | None = None, record: str | Path | None = None) -> list[GenerationOutput]:
+        """`record`: write the request (one prompt, one choice) as a bundle to replay (engine/record.py)."""
         params = params or SamplingParams()
         return self._run([self.inputs.process(p, params, special_tokens=True) for p in prompt_list(prompts)],
-                         params, use_tqdm)
+                         params, use_tqdm, record)
 
     def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None, *,
              use_tqdm: bool | None = None, chat_template_kwargs: dict[str, Any] | None = None,
              tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: str | Mapping[str, Any] | None = None,
-             parallel_tool_calls: bool | None = None) -> list[GenerationOutput]:
+             parallel_tool_calls: bool | None = None, record: str | Path | None = None) -> list[GenerationOutput]:
         """Conversations through the chat template (`chat_template_kwargs`: more template variables, as Qwen3's
         {"enable_thinking": False}); a reasoning model's completions carry `reasoning` and `content` apart. `tools`,
         `tool_choice` and `parallel_tool_calls` as OpenAI's (messages may carry `tool_calls` and the `tool` role):
-        completions then carry `tool_calls` and the rest as `content` (engine/tools.py)."""
+        completions then carry `tool_calls` and the rest as `content` (engine/tools.py). `record`: as generate's."""
         params = params or SamplingParams()
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         setup = ToolSetup.from_request([Tool.from_openai(t) for t in tools or ()], tool_choice, parallel_tool_calls)
@@ -138,7 +142,7 @@ class LLM:
             shown, tool_vars = prepare_messages(list(c), setup, native)  # type: ignore[arg-type]
             chat = Chat(shown, template_kwargs={**(chat_template_kwargs or {}), **tool_vars})
             prepared.append(self.inputs.process(chat, params))
-        results = self._run(prepared, params, use_tqdm)
+        results = self._run(prepared, params, use_tqdm, record)
         for result in results:
             for completion in result.outputs:
                 if self.inputs.thinks:
@@ -191,9 +195,21 @@ class LLM:
                 self.engine.abort(request_id)
             self.engine.release_threads()  # the next call may come from another thread
 
+    def replay(self, path: str | Path) -> ReplayResult:
+        """Run a recorded request again on this model (refused if it is another model file) and compare it with
+        the record step by step (engine/record.py)."""
+        bundle = read_bundle(path)
+        check_model(bundle, self.engine)
+        out = self.generate([bundle.prompt_ids], with_logprobs(bundle.params), use_tqdm=False)[0].outputs[0]
+        return compare(bundle, out.token_ids, out.logprobs or [], out.finish_reason, self.tokenizer.display_piece)
+
     def _run(self, prompts: list[PreparedPrompt], params: SamplingParams,
-             use_tqdm: bool | None) -> list[GenerationOutput]:
+             use_tqdm: bool | None, record: str | Path | None = None) -> list[GenerationOutput]:
         engine = self.engine
+        if record is not None:
+            if len(prompts) != 1 or len(prompts[0].params) != 1 or params.beam_width is not None:
+                raise InvalidInput("record= writes one request: give one prompt, n=1 and no beam search", "record")
+            prompts = [replace(prompts[0], params=[with_logprobs(prompts[0].params[0])])]
         groups: list[list[str]] = []
         added: list[str] = []
         try:
@@ -247,6 +263,8 @@ class LLM:
                 completions = [Completion(i, "".join(texts[r.request_id]), list(r.output_ids), r.finish_reason,
                                           r.logprobs if params.logprobs is not None else None)
                                for i, r in enumerate(reqs)]
+            if record is not None:
+                write_bundle(record, make_bundle(engine, first, prompt.text, completions[0].text, params))
             num_out = sum(len(c.token_ids) for c in completions)
             results.append(GenerationOutput(
                 request_id=first.request_id, prompt=prompt.text, prompt_token_ids=ids, outputs=completions,
