@@ -271,7 +271,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_tokens_default=args.max_tokens_default)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  allow_insecure_bind=args.allow_insecure_bind, drain_timeout=args.drain_timeout,
-                 stream_timeout=args.stream_timeout, request_timeout=args.request_timeout)
+                 stream_timeout=args.stream_timeout, request_timeout=args.request_timeout, record_dir=args.record_dir)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -380,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds SIGTERM lets in-flight requests finish before aborting them")
     p.add_argument("--stream-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a stream whose client reads nothing for this long is closed and its requests aborted")
+    p.add_argument("--record-dir", default=None, metavar="DIR",
+                   help="where requests sent with the header 'X-Nextoken-Record: 1' are written as records to "
+                        "replay (`nextoken replay`); without it such requests are refused")
     p.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a request's headers, then its body, must each arrive within this long (else the connection "
                         "is closed, or the answer is 408)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from nextoken import __version__
 from nextoken.config import EngineConfig
 from nextoken.engine.async_engine import AsyncEngine, RequestStream
 from nextoken.engine.engine import LLMEngine
+from nextoken.engine.record import make_bundle, write_bundle
 from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.loader.registry import REGISTRY
@@ -43,6 +45,7 @@ from nextoken.server.protocol import (
 )
 from nextoken.server.streaming import SEND_TIMEOUT_S, EventStream, json_response, sse, unless_disconnected
 
+RECORD_HEADER = "X-Nextoken-Record"  # "1" on a request: record it (--record-dir); on the answer: the record's name
 DRAIN_TIMEOUT_S = 30.0  # how long SIGTERM lets in-flight requests run before aborting them
 
 
@@ -57,6 +60,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False
     stream_timeout: float = SEND_TIMEOUT_S  # a stream whose client reads nothing for this long is abandoned
+    record_dir: str | None = None  # where requests asking for it (X-Nextoken-Record) are recorded
 
     async def drain(self, timeout: float) -> None:
         """Stop admitting (POSTs get 503), let in-flight requests finish within `timeout`, abort the rest."""
@@ -66,16 +70,17 @@ class ServerState:
 
 def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engine: LLMEngine | None = None,
                max_body_bytes: int = MAX_BODY_BYTES, stream_timeout: float = SEND_TIMEOUT_S,
-               request_timeout: float = REQUEST_TIMEOUT_S) -> FastAPI:
+               request_timeout: float = REQUEST_TIMEOUT_S, record_dir: str | None = None) -> FastAPI:
     """The app for one model. `engine`: an LLMEngine already built from `engine_config` (tests share one).
     `stream_timeout`: seconds a stream's send may stay blocked on a client that reads nothing before the stream is
-    abandoned and its requests aborted; `request_timeout`: seconds a request's body may take to arrive (408)."""
+    abandoned and its requests aborted; `request_timeout`: seconds a request's body may take to arrive (408);
+    `record_dir`: where requests with the header `X-Nextoken-Record: 1` are written as records (engine/record.py)."""
     llm_engine = engine if engine is not None else LLMEngine(engine_config)
     names = {llm_engine.model_name}
     if engine_config.model in REGISTRY:
         names.add(engine_config.model)
     state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names),
-                        stream_timeout=stream_timeout)
+                        stream_timeout=stream_timeout, record_dir=record_dir)
     document = build_openapi("nextoken", __version__, api_key=api_key is not None)
 
     @asynccontextmanager
@@ -165,22 +170,44 @@ async def _parse(state: ServerState, request: Request, model: type[RequestT]) ->
 async def _generate(state: ServerState, request: Request, body: CompletionRequest | ChatCompletionRequest
                     ) -> Response:
     kind: Kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
-    job = await asyncio.to_thread(prepare, state.engine, body, kind)  # tokenizing may take a while: off the loop
+    record = request.headers.get(RECORD_HEADER, "").strip().lower() not in ("", "0", "false", "no")
+    if record and state.record_dir is None:
+        raise ApiError(400, f"this server records nothing: start it with --record-dir DIR to honour {RECORD_HEADER}")
+    job = await asyncio.to_thread(prepare, state.engine, body, kind, record)  # tokenizing: off the loop
     try:
         stream = await state.async_engine.add(job.requests)
     except NextokenError as exc:
         raise api_error_from(exc) from None
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
     choices = Choices(job, state.engine)
+    headers = {RECORD_HEADER: f"{job.response_id}.json"} if record else {}
     if job.stream:
-        return EventStream(_events(state, job, stream, choices), state.stream_timeout)
+        response = EventStream(_events(state, job, stream, choices), state.stream_timeout)
+        response.headers.update(headers)
+        return response
     try:
         finished, result = await unless_disconnected(request.receive, _collect(state, job, stream, choices))
     finally:
         stream.close()  # a no-op when all finished; otherwise (cancelled, failed) aborts what is left
     if not finished:
         return Response(status_code=499)  # nobody is listening; the counter records it as "client closed"
-    return json_response(result)
+    response = json_response(result)
+    response.headers.update(headers)
+    return response
+
+
+async def _write_record(state: ServerState, job: Job, out: RequestOutput) -> None:
+    """A recorded job's bundle, once its request finished (hashing the model file, the first time, takes a while:
+    off the loop)."""
+    if job.record is None or not out.finished or out.request is None or state.record_dir is None:
+        return
+    path = Path(state.record_dir) / f"{job.response_id}.json"
+    prompt_text = state.engine.tokenizer.decode(job.prompts[0])
+    bundle = await asyncio.to_thread(make_bundle, state.engine, out.request, prompt_text,
+                                     state.engine.tokenizer.decode(out.request.output_ids,
+                                                                   skip_special_tokens=job.record.skip_special_tokens),
+                                     job.record)
+    await asyncio.to_thread(write_bundle, path, bundle)
 
 
 async def _collect(state: ServerState, job: Job, stream: RequestStream, choices: Choices) -> dict[str, Any]:
@@ -188,6 +215,7 @@ async def _collect(state: ServerState, job: Job, stream: RequestStream, choices:
         try:
             async for index, out in stream:
                 _record(state, job, choices, index, out)
+                await _write_record(state, job, out)
         except NextokenError as exc:
             raise api_error_from(exc) from None
     return choices.response()
@@ -205,6 +233,7 @@ async def _events(state: ServerState, job: Job, stream: RequestStream, choices: 
                 chunk = choices.delta_chunk(index, out)
                 if chunk is not None:
                     yield sse(chunk)
+                await _write_record(state, job, out)
         except NextokenError as exc:  # the status line is sent already: report the error in the stream
             error = api_error_from(exc)
             yield b"data: " + error_body(error.status, error.message) + b"\n\n"

@@ -19,9 +19,11 @@ from nextoken.engine.async_engine import SubRequest
 from nextoken.engine.engine import LLMEngine
 from nextoken.engine.inputs import choices, prompt_list
 from nextoken.engine.reasoning import ReasoningSplitter, opened_by_prompt
+from nextoken.engine.record import with_logprobs
 from nextoken.engine.request import RequestOutput
 from nextoken.engine.tools import ToolCall, ToolCallParser, prepare_messages, template_renders_tools
 from nextoken.errors import NextokenError
+from nextoken.sampling_params import SamplingParams
 from nextoken.server.errors import ApiError, api_error_from
 from nextoken.server.protocol import (
     MAX_PROMPTS,
@@ -69,6 +71,7 @@ class Job:
     per_prompt: int = 1  # engine requests per prompt: n, best_of (sampled, the best n returned) or 1 (a beam search)
     beam: bool = False  # the choices are a beam search's n best beams
     tool_calls: bool = False  # a chat whose answers may hold tool calls (engine/tools.py), parsed from the content
+    record: SamplingParams | None = None  # a recorded request's params as asked (engine/record.py)
     created: int = field(default_factory=lambda: int(time.time()))
     arrival: float = field(default_factory=time.perf_counter)
 
@@ -127,8 +130,10 @@ def _prompts(engine: LLMEngine, request: CompletionRequest | ChatCompletionReque
         raise api_error_from(exc, param="prompt") from None
 
 
-def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest, kind: Kind) -> Job:
-    """Validate and tokenize; raises ApiError naming the parameter at fault."""
+def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionRequest, kind: Kind,
+            record: bool = False) -> Job:
+    """Validate and tokenize; raises ApiError naming the parameter at fault. `record`: the request is to be recorded
+    (one prompt, one choice), its rows reading the top-K log-probabilities a record keeps."""
     prompt_param = "messages" if kind == "chat" else "prompt"
     prompts, thinking = _prompts(engine, request)
     inputs = engine.inputs
@@ -165,10 +170,17 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
                                               f"{response_id}-{p}-0" if i else None))
     except NextokenError as exc:
         raise api_error_from(exc) from None
+    recorded = None
+    if record:
+        if len(subrequests) != 1 or request.beam_width is not None:
+            raise ApiError(400, "a recorded request has one prompt and one choice (n=1, no best_of or beam search)",
+                           param="n")
+        recorded = subrequests[0].params
+        subrequests[0] = replace(subrequests[0], params=with_logprobs(recorded))
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Job(kind=kind, response_id=response_id, model=engine.model_name, prompts=prompts, n=n,
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
-               logprobs=subrequests[0].params.logprobs, thinking=thinking,
+               logprobs=(recorded or subrequests[0].params).logprobs, thinking=thinking, record=recorded,
                echo=isinstance(request, CompletionRequest) and bool(request.echo),
                per_prompt=len(subrequests) // len(prompts), beam=request.beam_width is not None,
                tool_calls=tools is not None and tools.calls_possible)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 from types import FrameType
@@ -123,7 +124,8 @@ def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
 
 def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           allow_insecure_bind: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S,
-          stream_timeout: float = SEND_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S) -> int:
+          stream_timeout: float = SEND_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S,
+          record_dir: str | None = None) -> int:
     """Load the model, serve until stopped; 0 after a clean stop (SIGTERM included)."""
     check_bind(host, api_key, allow_insecure_bind)
     if not 0 <= port <= 65535:
@@ -135,7 +137,10 @@ def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8
             raise NextokenError(f"invalid {name} timeout {value}: must be a positive number of seconds")
     logging.basicConfig(level=logging.WARNING, format="[%(name)s] %(message)s", stream=sys.stderr)
     logging.getLogger("nextoken").setLevel(logging.INFO)  # start-up facts: KV bytes per token, pool size
-    app = create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout)
+    if record_dir is not None and not os.path.isdir(record_dir):
+        raise NextokenError(f"invalid --record-dir {record_dir}: not a directory")
+    app = create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout,
+                     record_dir=record_dir)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                             server_header=False, timeout_keep_alive=5, timeout_graceful_shutdown=10,
                             http=head_timeout_protocol(request_timeout))

@@ -222,3 +222,36 @@ def test_auto_parses_the_calls_a_model_writes_and_leaves_other_text_as_content(c
         assert finish in ("stop", "length") and "<tool_call>" not in (message["content"] or "")
     plain, finish = run_tools(client, ask("Say hello."), True, tool_choice="none")
     assert plain["content"] and not plain["tool_calls"] and finish in ("stop", "length")
+
+
+def test_a_request_recorded_through_the_server_replays_identically(tmp_path_factory: pytest.TempPathFactory,
+                                                                   spawn_server: Callable[..., ServerProcess]) -> None:
+    from nextoken.cli import main
+
+    records = tmp_path_factory.mktemp("records")
+    proc = spawn_server(MODEL, "--kv-cache-bytes", str(32 << 20), "--record-dir", str(records))
+    client = openai.OpenAI(base_url=proc.base_url, api_key="unused", max_retries=0, timeout=60)
+    for stream in (False, True):
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=ask("Name a colour."), temperature=0.9, seed=7, max_tokens=12, stream=stream,
+            extra_headers={"X-Nextoken-Record": "1"})
+        name = raw.headers["x-nextoken-record"]
+        reply = raw.parse()
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in reply if c.choices)  # type: ignore[union-attr]
+        else:
+            text = reply.choices[0].message.content  # type: ignore[union-attr]
+            assert reply.choices[0].logprobs is None  # the record's top-5 stay out of the answer  # type: ignore
+        wait_idle(proc)
+        data = json.loads((records / name).read_text())
+        assert data["text"] == text and data["params"]["seed"] == 7 and len(data["steps"]) >= 1
+        assert main(["replay", str(records / name)]) == 0
+    with pytest.raises(openai.BadRequestError, match="one prompt and one choice"):
+        client.chat.completions.create(model=MODEL, messages=ask("x"), n=2, max_tokens=2,
+                                       extra_headers={"X-Nextoken-Record": "1"})
+
+
+def test_a_server_without_a_record_dir_refuses_to_record(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="--record-dir"):
+        client.chat.completions.create(model=MODEL, messages=ask("x"), max_tokens=2,
+                                       extra_headers={"X-Nextoken-Record": "1"})
