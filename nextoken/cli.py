@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,6 +154,54 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"[{len(ids)} prompt tokens, {len(token_ids)} generated, finish: {req.finish_reason}, "
                   f"TTFT {t['time_to_first_token_s'] or 0:.3f} s, decode {t['decode_tokens_per_s'] or 0:.1f} tok/s]",
                   file=sys.stderr)
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nextoken.check import DEFAULT_FORMATS, DEFAULT_PROMPTS, format_kl, run_check
+
+    prompts = list(DEFAULT_PROMPTS)
+    if args.prompts is not None:
+        try:
+            text = sys.stdin.read() if args.prompts == "-" else Path(args.prompts).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise NextokenError(f"--prompts {args.prompts}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise NextokenError(f"--prompts {args.prompts}: not UTF-8 text") from None
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise NextokenError(f"--prompts {args.prompts}: no prompts in it (one per line)")
+    formats = args.formats or list(DEFAULT_FORMATS)
+    console = Console(stderr=True)
+    sequences, reports = run_check(args.model, prompts, formats, continuation=args.continuation,
+                                   against=args.against, engine_options={"threads": args.threads},
+                                   progress=lambda line: console.print(f"[dim]{line}[/dim]"))
+    if args.json:
+        print(json.dumps({"model": args.model, "prompts": prompts, "positions": sum(len(s) for s in sequences),
+                          "formats": [{"format": r.name, "resolved": r.formats, "top1_agreement": r.top1,
+                                       "mean_kl": r.mean_kl, "worst_kl": r.worst_kl,
+                                       "worst_at": None if r.worst_at is None else
+                                       {"prompt": r.worst_at[0], "position": r.worst_at[1], "token_id": r.worst_at[2]}}
+                                      for r in reports]}, ensure_ascii=False))
+        return 0
+    from nextoken.cli_support import load_text_side
+    tok = load_text_side(args.model).tokenizer
+    table = Table(title=f"{args.model}: each format against nextoken's fp32 route, teacher-forced over "
+                        f"{len(prompts)} prompts and {args.continuation} generated tokens each "
+                        f"({sum(len(s) for s in sequences):,} positions)", title_justify="left")
+    for col in ("format", "runs as", "top-1 agreement", "mean KL", "worst KL", "worst at"):
+        table.add_column(col, justify="right" if col in ("top-1 agreement", "mean KL", "worst KL") else "left")
+    for r in reports:
+        where = "-" if r.worst_at is None else \
+            f"prompt {r.worst_at[0]}, position {r.worst_at[1]} ({tok.display_piece(r.worst_at[2])!r})"
+        table.add_row(r.name, ", ".join(f"{k} {v}" for k, v in r.formats.items()), f"{r.top1:.2%}",
+                      format_kl(r.mean_kl), format_kl(r.worst_kl), where)
+    Console(width=max(Console().width, 140)).print(table)
+    print("KL: KL(fp32 || format) in nats over the whole vocabulary, after each position; top-1: the same most "
+          "likely next token")
     return 0
 
 
@@ -302,6 +351,22 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write the request to FILE, to replay (`nextoken replay FILE`): the model's identity, the "
                         "prompt's ids, the parameters and seed, the engine's settings, each token's top-5")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check", help="how far each weight / KV / activation format is from fp32, on your prompts",
+                       formatter_class=DefaultsHelp)
+    add_model(p)
+    p.add_argument("--prompts", default=None, metavar="FILE",
+                   help="prompts, one per line ('-': standard input); default: eight built-in ones")
+    p.add_argument("--formats", nargs="+", default=None, metavar="FORMAT",
+                   help="'default' (the engine's own choice) or key=value[,key=value] over weights, kv_dtype, "
+                        "lm_head, activations, dtype (default: default weights=int8 kv_dtype=int8 activations=int8)")
+    p.add_argument("--continuation", type=int, default=32, metavar="N",
+                   help="tokens the fp32 route generates after each prompt, scored with it")
+    p.add_argument("--against", choices=["transformers"], default=None,
+                   help="also compare transformers' own forward of the file (where it is installed)")
+    p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: one per physical core)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("replay", help="run a recorded request again and say whether it is identical, or where not")
     p.add_argument("bundle", help="a file written by `nextoken run --record`")
