@@ -205,6 +205,17 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from nextoken.diff import describe, diff
+
+    overrides = {k: v for k, v in (("weights", args.weights), ("kv_dtype", args.kv_dtype), ("lm_head", args.lm_head),
+                                   ("activations", args.activations)) if v is not None}
+    report, run_a = diff(args.a, args.b, model=args.model, overrides=overrides)
+    for line in describe(report, run_a.tokenizer.display_piece):
+        print(line)
+    return 0 if report.first_divergence is None else 1
+
+
 def cmd_replay(args: argparse.Namespace) -> int:
     from nextoken.engine.record import engine_settings, read_bundle
     from nextoken.llm import LLM
@@ -367,6 +378,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("diff", help="where two runs of one prompt part: two records, or a record and a new setting")
+    p.add_argument("a", help="a record (`nextoken run --record`)")
+    p.add_argument("b", nargs="?", default=None, help="another record of the same prompt")
+    p.add_argument("--model", "-m", default=None, help="run A's request on this model file instead (same tokenizer)")
+    p.add_argument("--weights", default=None, choices=["fp32", "bf16", "int8", "int4"])
+    p.add_argument("--kv-dtype", default=None, choices=["fp32", "bf16", "int8"])
+    p.add_argument("--lm-head", default=None, choices=["fp32", "int8"])
+    p.add_argument("--activations", default=None, choices=["int16", "int8"])
+    p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("replay", help="run a recorded request again and say whether it is identical, or where not")
     p.add_argument("bundle", help="a file written by `nextoken run --record`")

@@ -240,9 +240,10 @@ class ModelRunner:
         return view
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
+    def score(self, token_ids: list[int], *, modules: bool = False) -> torch.Tensor:
         """Teacher-forced fp32 logits at every position of `token_ids` ([len, vocab]), in one forward pass over a
-        private cache: the engine's pool and running requests are untouched."""
+        private cache: the engine's pool and running requests are untouched. `modules`: every block through its
+        torch modules (the definition), so that hooks on them see each layer."""
         n = len(token_ids)
         num_blocks = -(-n // self.block_size)
         pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device)
@@ -250,4 +251,4 @@ class ModelRunner:
             slot_mapping=torch.arange(n, device=self.device), query_start_loc=[0, n], seq_lens=[n],
             block_tables=torch.arange(num_blocks, device=self.device)[None], block_size=self.block_size)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(ids, torch.arange(n, device=self.device), pool.layers, meta).float()
+        return self.model(ids, torch.arange(n, device=self.device), pool.layers, meta, modules=modules).float()
