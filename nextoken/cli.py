@@ -315,7 +315,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     prompt = _read_text(args.prompt, "prompt")
     options = TraceOptions(model=args.model, **engine_options(args), raw=args.raw, system=args.system,
                            top_k=args.top, html=Path(args.html) if args.html else None,
-                           compare=tuple(args.compare or ()))
+                           compare=tuple(args.compare or ()), branch=tuple(args.branch or ()))
     return trace(prompt, sampling_params(args, load_text_side(args.model)), options)
 
 
@@ -445,6 +445,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message for the chat template")
     p.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown per generated token")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
+    p.add_argument("--branch", nargs="+", default=None, metavar="SETTING",
+                   help='prefill the prompt once and continue it under each setting side by side, e.g. '
+                        '"temperature=0" "temperature=1,top_p=0.9,seed=3", with each branch\'s probability of the '
+                        "others' tokens (put the prompt before --branch)")
     p.add_argument("--compare", nargs="+", default=None, metavar="SETTING",
                    help='run the prompt under each setting, e.g. "temperature=0.2" "temperature=1.0,top_p=0.9" '
                         '(put the prompt before --compare)')

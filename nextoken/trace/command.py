@@ -2,7 +2,8 @@
 
 The engine is built with prefix caching off: otherwise the untraced run would leave the prompt's blocks cached and
 the traced run would skip most of its prefill, and neither the timings nor the overhead would compare like with like.
-`--compare` instead runs the prompt once per sampling setting and prints them side by side.
+`--compare` instead runs the prompt once per sampling setting and prints them side by side; `--branch` prefills it
+once and continues it under each setting from the shared prefix (trace/branch.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class TraceOptions:
     top_k: int = 5  # candidates shown per step
     html: Path | None = None
     compare: tuple[str, ...] = ()
+    branch: tuple[str, ...] = ()
 
 
 def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: Console | None = None) -> int:
@@ -46,13 +48,28 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
         raise NextokenError(f"invalid --top {options.top_k}: must be between 1 and 100")
     if options.compare and options.html is not None:
         raise NextokenError("--html and --compare cannot be combined: --html shows one traced run")
+    if options.compare and options.branch:
+        raise NextokenError("--compare and --branch cannot be combined: give one of them")
     settings = [parse_setting(s, params) for s in options.compare]  # bad settings fail before the model loads
+    branches = [parse_setting(s, params) for s in options.branch]
+    if len(branches) > 8:
+        raise NextokenError(f"--branch takes at most 8 settings, got {len(branches)}")
     if options.html is not None and not options.html.parent.is_dir():
         raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
     console = console or make_console()
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
               lm_head=options.lm_head, activations=options.activations, device=options.device,
               enable_prefix_caching=False, cuda_graphs=False, threads=options.threads)
+    if branches:
+        from nextoken.trace.branch import print_branches, run_branches, write_branch_html
+
+        prompt_ids, done = run_branches(llm, prompt, list(options.branch), branches, raw=options.raw,
+                                        system=options.system)
+        print_branches(console, llm, prompt_ids, done)
+        if options.html is not None:
+            path = write_branch_html(options.html, prompt, prompt_ids, done, llm.tokenizer.display_piece)
+            console.print(f"\nwrote {path} ({path.stat().st_size / 1024:,.0f} KiB, self-contained)")
+        return 0
     if settings:
         runs = [run_request(llm, prompt, p, raw=options.raw, system=options.system,
                             tracer=RecordingTracer(top_k=options.top_k)) for p in settings]
