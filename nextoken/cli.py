@@ -315,7 +315,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     prompt = _read_text(args.prompt, "prompt")
     options = TraceOptions(model=args.model, **engine_options(args), raw=args.raw, system=args.system,
                            top_k=args.top, html=Path(args.html) if args.html else None,
-                           compare=tuple(args.compare or ()), branch=tuple(args.branch or ()))
+                           compare=tuple(args.compare or ()), branch=tuple(args.branch or ()),
+                           engine=args.engine, arrive_every=args.arrive_every, kv_cache_bytes=args.kv_cache_bytes,
+                           max_num_batched_tokens=args.max_num_batched_tokens)
     return trace(prompt, sampling_params(args, load_text_side(args.model)), options)
 
 
@@ -445,6 +447,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="a system message for the chat template")
     p.add_argument("--top", type=int, default=5, metavar="K", help="candidates shown per generated token")
     p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
+    p.add_argument("--engine", type=int, default=0, metavar="N",
+                   help="run N requests of the prompt (seeds 0..N-1) as a batch and show the engine step by step: "
+                        "what each step ran, prefill chunks, prefix-cache hits, preemptions, a block map")
+    p.add_argument("--arrive-every", type=int, default=2, metavar="K", help="with --engine: a request every K steps")
+    p.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="with --engine: the KV pool's size (small: preemption shows)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="with --engine: tokens one step may process (small: prompts are chunked)")
     p.add_argument("--branch", nargs="+", default=None, metavar="SETTING",
                    help='prefill the prompt once and continue it under each setting side by side, e.g. '
                         '"temperature=0" "temperature=1,top_p=0.9,seed=3", with each branch\'s probability of the '

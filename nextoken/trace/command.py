@@ -37,6 +37,10 @@ class TraceOptions:
     html: Path | None = None
     compare: tuple[str, ...] = ()
     branch: tuple[str, ...] = ()
+    engine: int = 0  # requests of the prompt run as a batch for the engine view (0: off)
+    arrive_every: int = 2
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int = 2048
 
 
 def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: Console | None = None) -> int:
@@ -57,6 +61,8 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
     if options.html is not None and not options.html.parent.is_dir():
         raise NextokenError(f"cannot write {options.html}: no such directory {options.html.parent}")
     console = console or make_console()
+    if options.engine:
+        return _engine_view(prompt, params, options, console)
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
               lm_head=options.lm_head, activations=options.activations, device=options.device,
               enable_prefix_caching=False, cuda_graphs=False, threads=options.threads)
@@ -88,3 +94,24 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
         path = write_html(options.html, llm, run, summary)
         console.print(f"\nwrote {path} ({path.stat().st_size / 1024:,.0f} KiB, self-contained)")
     return 0
+
+
+def _engine_view(prompt: str, params: SamplingParams, options: TraceOptions, console: Console) -> int:
+    from nextoken.llm import LLM
+    from nextoken.trace.engine_view import print_engine_view, run_engine_view
+
+    if not 1 <= options.engine <= 26 or options.arrive_every < 0:
+        raise NextokenError(f"invalid --engine {options.engine} / --arrive-every {options.arrive_every}: 1 to 26 "
+                            "requests, arriving every 0 or more steps")
+    if options.compare or options.branch or options.html is not None:
+        raise NextokenError("--engine shows a batch: not with --compare, --branch or --html")
+    llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
+              lm_head=options.lm_head, activations=options.activations, device=options.device,
+              threads=options.threads, kv_cache_bytes=options.kv_cache_bytes,
+              max_num_batched_tokens=options.max_num_batched_tokens)
+    view = run_engine_view(llm, prompt, params, options.engine, arrive_every=options.arrive_every, raw=options.raw,
+                           system=options.system)
+    bm = llm.engine.block_manager
+    print_engine_view(console, view, bm.num_blocks, bm.block_size)
+    return 0
+
