@@ -15,13 +15,17 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from nextoken.engine.engine import EngineBusy, LLMEngine
 from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.sampling_params import SamplingParams
+
+DEBUG_STEPS = 64  # steps /debug/engine keeps
 
 __all__ = ["AsyncEngine", "EngineBusy", "EngineFailure", "EngineStats", "EngineStopped", "RequestStream", "SubRequest"]
 
@@ -132,6 +136,8 @@ class AsyncEngine:
         self.engine = engine
         self._cond = threading.Condition()
         self._commands: list[_Group | _Abort] = []  # guarded by _cond
+        self._debug: deque[dict[str, Any]] | None = None  # the last steps' views, once /debug/engine asked
+        self._debug_snapshot: tuple[dict[str, Any], ...] = ()
         self._stop_thread = False  # guarded by _cond
         self._num_in_hand = 0  # guarded by _cond: commands taken by the engine thread, not yet in `stats`
         self._admitting = True
@@ -284,7 +290,29 @@ class AsyncEngine:
         for group in groups.values():
             self._deliver(group, reason())
 
+    def enable_debug(self) -> None:
+        """Keep a view of the last DEBUG_STEPS steps from now on (the server's /debug/engine)."""
+        if self._debug is None:
+            self._debug = deque(maxlen=DEBUG_STEPS)
+
+    @property
+    def debug_steps(self) -> tuple[dict[str, Any], ...]:
+        """The last steps' views, oldest first (a snapshot the engine thread replaces after each step)."""
+        return self._debug_snapshot
+
+    def _view(self, seconds: float) -> dict[str, Any]:
+        """One step as /debug/engine shows it: what ran, who runs and waits, the blocks each holds."""
+        engine, scheduler = self.engine, self.engine.scheduler
+        return {"step": self._num_steps, "seconds": round(seconds, 6),
+                "ran": [{"request": rid, "first": first, "tokens": count} for rid, first, count in engine.last_schedule],
+                "running": [{"request": r.request_id, "computed": r.num_computed_tokens, "tokens": r.num_tokens,
+                             "prompt_tokens": r.num_prompt_tokens, "blocks": list(r.block_table)}
+                            for r in scheduler.running],
+                "waiting": [r.request_id for r in scheduler.waiting],
+                "free_blocks": engine.block_manager.num_free_blocks, "preemptions": scheduler.num_preemptions}
+
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # a forward-pass failure touches the whole batch: fail what is in the engine
@@ -294,6 +322,9 @@ class AsyncEngine:
             self._abort([r.request_id for r in (*self.engine.scheduler.running, *self.engine.scheduler.waiting)])
             return
         self._num_steps += 1
+        if self._debug is not None:
+            self._debug.append(self._view(time.perf_counter() - started))
+            self._debug_snapshot = tuple(self._debug)
         for out in outputs:
             owner = self._owners.get(out.request_id)
             if owner is None:

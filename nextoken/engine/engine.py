@@ -119,6 +119,7 @@ class LLMEngine:
         # Requests waiting for another's prompt blocks (add_request's share_prompt_with), by that request's id.
         self._followers: dict[str, list[Request]] = {}
         self._ids = itertools.count()
+        self.last_schedule: list[tuple[str, int, int]] = []
         self.release_threads()  # the loading thread's: whichever thread steps next does not share the CPUs with them
 
     # --- requests --------------------------------------------------------------------------------------------
@@ -242,6 +243,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         scheduled = self.scheduler.schedule()
+        # What this step runs, for observers (the server's /debug/engine): (request id, first position, tokens).
+        self.last_schedule = [(i.request.request_id, i.request.num_computed_tokens, i.num_new_tokens)
+                              for i in scheduled]
         if not scheduled:
             return []
         batch, logits = self.runner.execute(scheduled)

@@ -118,6 +118,17 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
         return Response(state.metrics.render(state.async_engine.stats),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    @app.get("/debug/engine")
+    async def debug_engine() -> Response:
+        """The engine's last steps (what each ran, who runs and waits, the blocks each holds), recorded from the
+        first call on; behind the API key like every route but /health."""
+        engine = state.async_engine
+        engine.enable_debug()
+        stats = engine.stats
+        return json_response({"steps": list(engine.debug_steps), "num_blocks": stats.num_kv_blocks_total,
+                              "block_size": llm_engine.block_manager.block_size, "num_running": stats.num_running,
+                              "num_waiting": stats.num_waiting})
+
     @app.get("/v1/models")
     async def models() -> Response:
         return json_response({"object": "list", "data": [{

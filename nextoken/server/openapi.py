@@ -25,6 +25,7 @@ from nextoken.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    EngineDebug,
     ErrorResponse,
     HealthResponse,
     ModelList,
@@ -71,6 +72,8 @@ OPERATIONS = (
     Operation("get", "/health", "health", "200 while the engine runs and admits requests", None, HealthResponse,
               (503,), needs_key=False),
     Operation("get", "/metrics", "metrics", "Prometheus metrics", None, "text/plain", ()),
+    Operation("get", "/debug/engine", "debugEngine", "the engine's last steps: what each ran, the blocks each request "
+              "holds", None, EngineDebug, ()),
     Operation("get", "/v1/models", "listModels", "the served model", None, ModelList, (),
               links=(("CompleteWithModel", "createCompletion", _FROM_MODELS),
                      ("ChatWithModel", "createChatCompletion", _FROM_MODELS),

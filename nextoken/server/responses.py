@@ -144,6 +144,40 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class DebugRan(_Response):
+    request: str
+    first: int  # the first position the step computed
+    tokens: int
+
+
+class DebugRunning(_Response):
+    request: str
+    computed: int
+    tokens: int
+    prompt_tokens: int
+    blocks: list[int]  # the KV blocks it holds, in order
+
+
+class DebugStep(_Response):
+    step: int
+    seconds: float
+    ran: list[DebugRan]
+    running: list[DebugRunning]
+    waiting: list[str]
+    free_blocks: int
+    preemptions: int  # so far, in all
+
+
+class EngineDebug(_Response):
+    """/debug/engine: the engine's last steps, recorded from the first call on."""
+
+    steps: list[DebugStep]
+    num_blocks: int
+    block_size: int
+    num_running: int
+    num_waiting: int
+
+
 class HealthResponse(_Response):
     status: Literal["ok"]
 

@@ -36,8 +36,8 @@ from tests.tiny import write_tiny_model
 FUZZ_CONTEXT = 64  # every generation ends within 64 tokens, so any case is quick on the tiny model
 REQUEST_TIMEOUT_S = 30.0  # a response slower than this is a hang, and fails the case
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-ROUTES = ("GET /health", "GET /metrics", "GET /v1/models", "POST /v1/completions", "POST /v1/chat/completions",
-          "POST /tokenize", "POST /detokenize")
+ROUTES = ("GET /health", "GET /metrics", "GET /debug/engine", "GET /v1/models", "POST /v1/completions",
+          "POST /v1/chat/completions", "POST /tokenize", "POST /detokenize")
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
           response_headers_conformance, negative_data_rejection, ignored_auth]
 

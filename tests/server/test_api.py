@@ -242,3 +242,24 @@ def test_logits_processors(client: openai.OpenAI, server: ServerProcess) -> None
             client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=2, logit_bias={key: bias})
         assert exc.value.response.json()["error"]["param"] == "logit_bias"
+
+
+def test_debug_engine_shows_the_steps_that_ran(client: openai.OpenAI, server: ServerProcess,
+                                               guarded_server: ServerProcess) -> None:
+    import httpx
+
+    from tests.server.conftest import API_KEY
+
+    assert httpx.get(server.url + "/debug/engine", timeout=10).json()["steps"] is not None  # recording from now on
+    client.completions.create(model=server.model, prompt=[1, 2, 3, 4, 5], max_tokens=4, temperature=0,
+                              extra_body={"ignore_eos": True})
+    view = httpx.get(server.url + "/debug/engine", timeout=10).json()
+    ours = [s for s in view["steps"] if s["ran"]][-4:]  # the request's steps: a prefill, then three decodes
+    assert [r["tokens"] for s in ours for r in s["ran"]] == [5, 1, 1, 1]
+    assert [r["first"] for s in ours for r in s["ran"]] == [0, 5, 6, 7]
+    running = [r for s in ours[:-1] for r in s["running"]]
+    assert running and all(len(r["blocks"]) >= 1 for r in running)
+    assert view["num_blocks"] > 0 and view["block_size"] == 16
+    assert httpx.get(guarded_server.url + "/debug/engine", timeout=10).status_code == 401  # behind the key
+    assert httpx.get(guarded_server.url + "/debug/engine", timeout=10,
+                     headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200

@@ -190,7 +190,8 @@ def test_api_key_guards_every_route_but_health(guarded_server: ServerProcess) ->
     url = guarded_server.url
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/completions"),
+        for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("GET", "/debug/engine"),
+                             ("POST", "/v1/completions"),
                              ("POST", "/tokenize"), ("GET", "/nothing")):
             response = httpx.request(method, url + path, headers=headers, timeout=30)
             assert response.status_code == 401, (path, headers)
