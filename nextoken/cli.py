@@ -202,6 +202,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     Console(width=max(Console().width, 140)).print(table)
     print("KL: KL(fp32 || format) in nats over the whole vocabulary, after each position; top-1: the same most "
           "likely next token")
+    if args.html is not None:
+        from nextoken.trace.pages import check_page
+        print(f"wrote {check_page(Path(args.html), args.model, prompts, reports, tok.display_piece)}")
     return 0
 
 
@@ -211,8 +214,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("weights", args.weights), ("kv_dtype", args.kv_dtype), ("lm_head", args.lm_head),
                                    ("activations", args.activations)) if v is not None}
     report, run_a = diff(args.a, args.b, model=args.model, overrides=overrides)
-    for line in describe(report, run_a.tokenizer.display_piece):
+    lines = describe(report, run_a.tokenizer.display_piece)
+    for line in lines:
         print(line)
+    if args.html is not None:
+        from nextoken.trace.pages import diff_page
+        print(f"wrote {diff_page(Path(args.html), report, run_a.tokenizer.display_piece, lines)}")
     return 0 if report.first_divergence is None else 1
 
 
@@ -379,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compare transformers' own forward of the file (where it is installed)")
     p.add_argument("--threads", "-t", type=int, default=None, help="CPU threads (default: one per physical core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("diff", help="where two runs of one prompt part: two records, or a record and a new setting")
@@ -389,6 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default=None, choices=["fp32", "bf16", "int8"])
     p.add_argument("--lm-head", default=None, choices=["fp32", "int8"])
     p.add_argument("--activations", default=None, choices=["int16", "int8"])
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained HTML page")
     p.set_defaults(func=cmd_diff)
 
     p = sub.add_parser("replay", help="run a recorded request again and say whether it is identical, or where not")

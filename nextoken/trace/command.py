@@ -103,8 +103,8 @@ def _engine_view(prompt: str, params: SamplingParams, options: TraceOptions, con
     if not 1 <= options.engine <= 26 or options.arrive_every < 0:
         raise NextokenError(f"invalid --engine {options.engine} / --arrive-every {options.arrive_every}: 1 to 26 "
                             "requests, arriving every 0 or more steps")
-    if options.compare or options.branch or options.html is not None:
-        raise NextokenError("--engine shows a batch: not with --compare, --branch or --html")
+    if options.compare or options.branch:
+        raise NextokenError("--engine shows a batch: not with --compare or --branch")
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
               lm_head=options.lm_head, activations=options.activations, device=options.device,
               threads=options.threads, kv_cache_bytes=options.kv_cache_bytes,
@@ -113,5 +113,9 @@ def _engine_view(prompt: str, params: SamplingParams, options: TraceOptions, con
                            system=options.system)
     bm = llm.engine.block_manager
     print_engine_view(console, view, bm.num_blocks, bm.block_size)
+    if options.html is not None:
+        from nextoken.trace.pages import engine_page
+        path = engine_page(options.html, view, bm.num_blocks, bm.block_size)
+        console.print(f"\nwrote {path} ({path.stat().st_size / 1024:,.0f} KiB, self-contained)")
     return 0
 
