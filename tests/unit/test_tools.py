@@ -135,3 +135,63 @@ def test_llm_chat_takes_tools_as_openai_does(llm: LLM) -> None:
     assert answer.content == answer.text and answer.tool_calls == []
     with pytest.raises(InvalidInput, match="invalid tool"):
         llm.chat([{"role": "user", "content": "x"}], tools=[{"type": "function", "function": {"name": "a b"}}])
+
+
+# Qwen2.5's template, its tool parts as the model's tokenizer_config.json has them (shortened where it repeats).
+QWEN_TOOLS_TEMPLATE = """{%- if tools %}<|im_start|>system
+{%- if messages[0]['role'] == 'system' %}
+{{- messages[0]['content'] }}
+{%- else %}
+You are a helpful assistant.
+{%- endif %}
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{%- for tool in tools %}
+{{- "\\n" }}{{- tool | tojson }}
+{%- endfor %}
+</tools><|im_end|>
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+{%- elif message.role == "assistant" %}
+{{- '<|im_start|>' + message.role }}
+{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
+{%- for tool_call in message.tool_calls %}
+{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == "tool" %}
+{{- '<|im_start|>user\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+def test_a_template_that_renders_tools_gets_them_and_the_calls_as_it_expects() -> None:
+    from nextoken.tokenizer.chat import ChatTemplate
+
+    template = ChatTemplate(QWEN_TOOLS_TEMPLATE)
+    assert template_renders_tools(template.source)
+    setup = ToolSetup.from_request([WEATHER], "auto", None)
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "5 degrees"}]
+    shown, variables = prepare_messages(messages, setup, native=True)
+    text = template.render(shown, **variables)
+    assert '{"type": "function", "function": {"name": "get_weather", "description": "The weather."' in text
+    assert ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+            in text)  # the arguments an object, as the template's tojson writes it: not a JSON string in a string
+    assert "<tool_response>\n5 degrees\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+    parser = ToolCallParser()  # and what such a model writes back is what the parser reads
+    parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bergen", "unit": "c"}}\n</tool_call>')
+    assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == [("get_weather", {"city": "Bergen",
+                                                                                          "unit": "c"})]
