@@ -29,6 +29,8 @@ from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
+from nextoken.engine.speculative import (Speculator, StepCosts, calibrate, num_accepted, restore_generator,
+                                         verify_rows)
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFDirectory
@@ -112,6 +114,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
+        # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
+        max_k = config.max_speculative_tokens
+        self.speculator = Speculator(max_k, StepCosts(calibrate(
+            self.runner.model, self.runner.kv_pool, verify_rows(max_k, config.max_num_seqs), self.runner.device))) \
+            if max_k else None
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by request id (engine/beam.py)
@@ -238,28 +245,59 @@ class LLMEngine:
     # --- the loop --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:  # proposals for the scheduler to fit in (beams never propose)
+            self.speculator.propose([r for r in self.scheduler.running if r.request_id in self._live],
+                                    self.max_model_len)
         scheduled = self.scheduler.schedule()
+        if self.speculator is not None:
+            for req in self.scheduler.running:
+                req.spec_ids = []  # taken into this step's chunks, or dropped
         if not scheduled:
             return []
+        started = time.perf_counter()
         batch, logits = self.runner.execute(scheduled)
         sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
         result: SampleResult | None = None
         failed: set[int] = set()
+        saved: dict[int, torch.Tensor] = {}  # seeded generators' states before verifying rows drew (by item)
         if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None:  # as the sampler allowed (argmax_only)
             result = Sampler.from_argmax(batch.argmax_ids)
         elif sampling:
-            rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
-                                scheduled[i].request.prompt_ids, scheduled[i].request.output_ids,
-                                scheduled[i].request.stop_ids)
-                    for i, _ in sampling]
-            result, failed = self._sample(take_rows(logits, [r for _, r in sampling]), rows)
-        token_for = {i: k for k, (i, _) in enumerate(sampling)}
+            # One row per sampling chunk, and one more per proposal: row j samples as plain decoding would once
+            # the proposals before it are the output's (penalties and processors see them).
+            rows: list[SamplingRow] = []
+            picked: list[int] = []
+            for i, first in sampling:
+                req, spec = scheduled[i].request, scheduled[i].spec_ids
+                if spec and req.generator is not None and not req.params.is_greedy:
+                    saved[i] = req.generator.get_state()
+                for j in range(len(spec) + 1):
+                    rows.append(SamplingRow(req.params, req.generator, req.prompt_ids,
+                                            req.output_ids + spec[:j] if j else req.output_ids, req.stop_ids))
+                    picked.append(first + j)
+            result, failed = self._sample(take_rows(logits, picked), rows)
+        token_for: dict[int, int] = {}  # item -> its first row in the result
+        for i, _ in sampling:
+            token_for[i] = len(token_for) + sum(len(scheduled[j].spec_ids) for j in token_for)
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         stepped: list[BeamGroup] = []
         for i, item in enumerate(scheduled):
             req = item.request
-            self.scheduler.advance(item)
+            kept: list[int] = []  # with proposals: the tokens this step yields (accepted ones, then one sampled)
+            if item.spec_ids and i in token_for and result is not None:
+                first, count = token_for[i], len(item.spec_ids) + 1
+                drawn = result.token_ids[first:first + count]
+                ok = not any(first + j in failed for j in range(count))
+                kept = drawn[:num_accepted(item.spec_ids, drawn) + 1] if ok else []
+                self.scheduler.advance(item, len(item.spec_ids) + 1 - len(kept) if kept else len(item.spec_ids))
+                if kept:
+                    if i in saved:  # put back just past the draws of the tokens kept
+                        restore_generator(req.generator, saved[i], len(kept))
+                    assert self.speculator is not None
+                    self.speculator.record(req, len(item.spec_ids), len(kept) - 1)
+            else:
+                self.scheduler.advance(item)
             if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._share_prompt(req)
             live = self._live.get(req.request_id)
@@ -286,18 +324,39 @@ class LLMEngine:
             if i not in token_for or result is None:
                 continue
             k = token_for[i]
-            if k in failed:
+            if k in failed or (item.spec_ids and not kept):
                 outputs.append(self._fail(live))
                 continue
             try:
-                outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
+                if kept:
+                    outputs.append(self._accept_run(live, kept, result.logprobs[k:k + len(kept)], now))
+                else:
+                    outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
             except Exception as exc:  # one request's detokenization or stop check must not take the batch down
                 log.error("request %s failed: %s", req.request_id, type(exc).__name__)
                 outputs.append(self._fail(live))
         for group in stepped:
             if group.ready():
                 outputs.extend(self._advance_beams(group))
+        if self.speculator is not None and all(item.num_new_tokens == 1 for item in scheduled):
+            self.speculator.observe(sum(1 + len(item.spec_ids) for item in scheduled),
+                                    time.perf_counter() - started, any(item.spec_ids for item in scheduled))
         return outputs
+
+    def _accept_run(self, live: _Live, token_ids: list[int], logprobs: list, now: float) -> RequestOutput:
+        """A verified step's tokens accepted in order, as one output; an end token, stop string or max_tokens
+        among them ends the request there and the tokens after it are dropped."""
+        out = self._accept(live, token_ids[0], logprobs[0], now)
+        for token_id, logprob in zip(token_ids[1:], logprobs[1:]):
+            if out.finished:
+                break
+            more = self._accept(live, token_id, logprob, now)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            out.new_logprobs += more.new_logprobs
+            out.finished, out.finish_reason, out.num_output_tokens = more.finished, more.finish_reason, \
+                more.num_output_tokens
+        return out
 
     def _advance_beams(self, group: BeamGroup) -> list[RequestOutput]:
         """A beam search's step, once every live beam has its candidates; its result when it ends."""

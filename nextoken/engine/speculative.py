@@ -1,0 +1,271 @@
+"""Speculative decoding: tokens proposed cheaply, then verified in one forward pass of the target model, so that a
+step can yield several tokens without changing what is generated (Leviathan et al. 2022; Chen et al. 2023).
+
+Proposer: prompt lookup (n-gram). The longest recent n-gram ending the sequence (prompt and output) that occurred
+before proposes the tokens that followed it there; a match running into the sequence's end continues with the
+period it found ("a b a b" -> "a b ..."). No extra model; an index per sequence, updated as tokens are accepted.
+
+Verification (LLMEngine.step): the scheduler computes a request's proposals after its last known token, and each
+gets a logits row. Every row is sampled as plain decoding would sample it at that point: penalties and processors
+over the output as it would stand there (output + the proposals before it), the same filters, and the uniform that
+plain decoding would use for that output position (a request's generator gives row j the (len(output) + j)-th
+draw, and is put back to just past the tokens kept). The proposals are accepted while they equal the sampled
+tokens; the first sampled token that differs (or the one after the last proposal) is kept too. For a proposer
+that is deterministic given the sequence, this is the rejection rule with a one-hot proposal q = [x]: x is kept
+with probability p(x), and on rejection the token is drawn from p without x, renormalized; so the output
+distribution is the target's exactly, greedy output is plain greedy decoding's, and a seeded request draws the
+same tokens (up to a logit's last bits, which may move with the rows of a pass).
+
+Adaptive k (`KPolicy`): how many tokens to propose is chosen per sequence, per step, from its measured acceptance
+and the measured cost of a pass of n rows (`StepCosts`): the k that maximizes the expected tokens per second of the
+step, which is 0 (off) whenever plain decoding is faster. A sequence switched off still probes now and then, with
+exponentially growing gaps while probes fail, so that acceptance that rises later is found again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from nextoken.cache.kv_pool import KVPool
+from nextoken.engine.request import Request
+from nextoken.ops.attention import AttentionMetadata
+
+NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
+NGRAM_MAX = 6
+DECAY = 0.9  # per verified step, the weight of a sequence's earlier acceptance
+PROBE_GAP = 8  # steps between probes of a sequence switched off, doubling after each failed probe...
+MAX_PROBE_GAP = 256  # ...up to this
+PROBE_ACCEPTANCE = 0.95  # the acceptance a probe's k is chosen for
+
+
+def num_accepted(spec_ids: Sequence[int], token_ids: Sequence[int]) -> int:
+    """How many proposals the sampled tokens (one per row: after the last known token, then after each proposal)
+    confirm: the proposals are kept while each equals the token sampled before it."""
+    m = 0
+    while m < len(spec_ids) and token_ids[m] == spec_ids[m]:
+        m += 1
+    return m
+
+
+def restore_generator(generator: torch.Generator, state: torch.Tensor, num_kept: int) -> None:
+    """A request's generator put back to `state` (before its verifying rows drew) and past the draws of the
+    `num_kept` tokens kept: the sampler's one fp64 uniform per token (Sampler.rewind's convention), so the next
+    step draws what plain decoding would."""
+    generator.set_state(state)
+    for _ in range(num_kept):
+        torch.rand(1, dtype=torch.float64, generator=generator)
+
+
+def verify_rows(max_k: int, max_num_seqs: int) -> list[int]:
+    """The row counts whose verifying passes `calibrate` times: up to a step of K + 1 rows beside as many plain
+    ones, in steps that double (StepCosts interpolates between them)."""
+    top = min(2 * (max_k + 1), max_k + max_num_seqs)
+    rows = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
+    return [r for r in rows if r < top] + [top]
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a step with k proposals yields on average when each is accepted with probability `acceptance` (given
+    those before it): 1 + a + a^2 + ... + a^k (the kept token after the last accepted proposal included)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+# --- proposer ---------------------------------------------------------------------------------------------------
+
+
+class NgramIndex:
+    """Per sequence: every n-gram (NGRAM_MIN..NGRAM_MAX tokens) that has a token after it -> where that token is, in
+    its latest occurrence. Updated incrementally: each new token adds at most NGRAM_MAX - NGRAM_MIN + 1 entries."""
+
+    def __init__(self) -> None:
+        self.starts: dict[tuple[int, ...], int] = {}
+        self.num_indexed = 0  # n-grams ending before this position are in the index
+
+    def update(self, ids: Sequence[int]) -> None:
+        for end in range(self.num_indexed, len(ids) - 1):  # an n-gram ending at `end` is followed by ids[end + 1]
+            for n in range(NGRAM_MIN, min(NGRAM_MAX, end + 1) + 1):
+                self.starts[tuple(ids[end - n + 1:end + 1])] = end + 1
+        self.num_indexed = max(self.num_indexed, len(ids) - 1)
+
+    def propose(self, ids: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens to follow ids: after the latest earlier occurrence of its longest indexed suffix."""
+        self.update(ids)
+        size = len(ids)
+        for n in range(min(NGRAM_MAX, size), NGRAM_MIN - 1, -1):
+            start = self.starts.get(tuple(ids[size - n:]))
+            if start is not None:
+                out: list[int] = []
+                for j in range(k):  # past the sequence's end: the period the match found, over the proposals
+                    out.append(ids[start + j] if start + j < size else out[start + j - size])
+                return out
+        return []
+
+
+# --- adaptive k -------------------------------------------------------------------------------------------------
+
+
+class StepCosts:
+    """Seconds a step takes by the number of rows it computes, apart for plain decode steps (on CPUs the native
+    step) and verifying ones (the forward pass over several rows per sequence). Verifying passes are measured once
+    per row count on a private cache at start (`calibrate`); both are then kept as moving averages of the engine's
+    own steps. Between measured counts, linear interpolation; a plain count not seen yet costs what verifying it
+    would."""
+
+    def __init__(self, measured: dict[int, float]) -> None:
+        self.verify: dict[int, float] = dict(measured)
+        self.plain: dict[int, float] = {}
+
+    def observe(self, rows: int, seconds: float, verify: bool) -> None:
+        table = self.verify if verify else self.plain
+        old = table.get(rows)
+        table[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def __call__(self, rows: int, verify: bool = True) -> float:
+        known = self.plain.get(rows) if not verify else None
+        return known if known is not None else _interpolate(self.verify, rows)
+
+
+def _interpolate(table: dict[int, float], rows: int) -> float:
+    known = table.get(rows)
+    if known is not None:
+        return known
+    points = sorted(table.items())
+    if rows <= points[0][0] or len(points) == 1:
+        return points[0][1] * rows / points[0][0]
+    for (r0, s0), (r1, s1) in zip(points, points[1:]):
+        if r0 <= rows <= r1:
+            return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+    (r0, s0), (r1, s1) = points[-2], points[-1]
+    return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
+
+
+@torch.inference_mode()
+def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], device: torch.device,
+              context: int = 64) -> dict[int, float]:
+    """Seconds of a forward pass computing `rows` new tokens with logits for each (a verification pass) after
+    `context` cached ones, on a private cache shaped like the engine's; the second of two runs (the first warms)."""
+    rows = sorted(set(rows))
+    total = context + max(rows)
+    num_blocks = -(-total // runner_kv.block_size)
+    pool = KVPool(runner_kv.shape, num_blocks, runner_kv.block_size, device)
+    table = torch.arange(num_blocks, device=device)[None]
+    out: dict[int, float] = {}
+    for n in rows:
+        ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]: which tokens does not change the cost
+        positions = torch.arange(context, context + n, device=device)
+        meta = AttentionMetadata(slot_mapping=positions.clone(), query_start_loc=[0, n], seq_lens=[context + n],
+                                 block_tables=table, block_size=runner_kv.block_size)
+        for _ in range(2):
+            start = time.perf_counter()
+            model(ids, positions, pool.layers, meta)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            out[n] = time.perf_counter() - start
+    return out
+
+
+@dataclass
+class SeqSpec:
+    """A sequence's speculation state: its n-gram index, its acceptance (decayed counts of proposals accepted and of
+    the first rejections) and its probing schedule while switched off."""
+
+    index: NgramIndex = field(default_factory=NgramIndex)
+    accepted: float = 0.0
+    rejected: float = 0.0
+    steps_off: int = 0
+    probe_gap: int = PROBE_GAP
+
+    @property
+    def acceptance(self) -> float:
+        """Per proposal, the probability it is accepted given those before it (a Laplace estimate)."""
+        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+
+class KPolicy:
+    """How many of its proposals each sequence verifies this step (see the module docstring)."""
+
+    def __init__(self, costs: StepCosts, max_k: int) -> None:
+        self.costs = costs
+        self.max_k = max_k
+
+    def choose(self, rows: int, tokens: float, acceptance: float, available: int, verifying: bool = False
+               ) -> tuple[int, float]:
+        """A step of `rows` rows expected to yield `tokens` tokens (`verifying`: some sequence in it proposes
+        already): (the k among 0..available that maximizes the step's expected tokens per second with this
+        sequence's k proposals added, the step's tokens then)."""
+        best_k, best_rate, best_tokens = 0, tokens / self.costs(rows, verify=verifying), tokens
+        for k in range(1, min(available, self.max_k) + 1):
+            more = tokens + expected_tokens(acceptance, k) - 1.0
+            rate = more / self.costs(rows + k)
+            if rate > best_rate:
+                best_k, best_rate, best_tokens = k, rate, more
+        return best_k, best_tokens
+
+
+class Speculator:
+    """Proposes each decoding sequence's next tokens before a step (`propose`) and learns from what was accepted
+    (`record`) and what steps cost (`observe`)."""
+
+    def __init__(self, max_k: int, costs: StepCosts) -> None:
+        self.max_k = max_k
+        self.costs = costs
+        self.policy = KPolicy(costs, max_k)
+        # False: every proposal verified at its full length (up to K), whatever it costs (tests, measurements).
+        self.adaptive = True
+
+    def propose(self, requests: Sequence[Request], max_model_len: int) -> None:
+        """Set `spec_ids` of each running request that decodes next (every known token but the last computed).
+        The step is costed as one row per running request (a prompt chunk among them makes the step dearer, and the
+        proposals' share of it smaller: counting it as one row errs towards proposing less), then the proposals."""
+        decoding = [r for r in requests if r.num_computed_tokens == r.num_tokens - 1]
+        rows = len(requests)
+        tokens = float(len(decoding))
+        verifying = False
+        for req in decoding:
+            state = req.spec_state
+            if state is None:
+                state = req.spec_state = SeqSpec()
+            # The token after the proposals is kept too: at most max_tokens in all, within the context.
+            room = min(self.max_k, req.params.max_tokens - len(req.output_ids) - 1, max_model_len - req.num_tokens - 1)
+            if room <= 0:
+                req.spec_ids = []
+                continue
+            proposal = state.index.propose(req.all_ids, room)
+            if not self.adaptive:
+                req.spec_ids = proposal
+                continue
+            k, more = self.policy.choose(rows, tokens, state.acceptance, len(proposal), verifying)
+            if k == 0 and proposal:
+                state.steps_off += 1
+                if state.steps_off >= state.probe_gap:  # probe: the k that would pay at a high acceptance
+                    k, _ = self.policy.choose(rows, tokens, PROBE_ACCEPTANCE, len(proposal), verifying)
+                    more = tokens + expected_tokens(state.acceptance, k) - 1.0
+            req.spec_ids = proposal[:k]
+            if k:
+                rows += k
+                tokens = more
+                verifying = True
+
+    def record(self, req: Request, num_proposed: int, num_accepted_: int) -> None:
+        """A verified step of `req`: its acceptance, its probing schedule and its counters."""
+        state: SeqSpec = req.spec_state
+        state.accepted = DECAY * state.accepted + num_accepted_
+        state.rejected = DECAY * state.rejected + (1 if num_accepted_ < num_proposed else 0)
+        if state.steps_off >= state.probe_gap:  # this step was a probe
+            paid = (num_accepted_ + 1) * self.costs(1, verify=False) >= self.costs(1 + num_proposed)
+            state.probe_gap = PROBE_GAP if paid else min(2 * state.probe_gap, MAX_PROBE_GAP)
+        state.steps_off = 0
+        t = req.timings
+        t.num_spec_proposed += num_proposed
+        t.num_spec_accepted += num_accepted_
+        t.num_spec_steps += 1
+
+    def observe(self, rows: int, seconds: float, verify: bool) -> None:
+        """A decode step's time: `rows` rows, verifying proposals or not."""
+        self.costs.observe(rows, seconds, verify)
