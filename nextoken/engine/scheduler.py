@@ -138,8 +138,8 @@ class Scheduler:
 
         A chunk's proposed tokens were computed too, but only the first len(spec_ids) - num_rejected of them were
         accepted: the counter takes the rejected ones back (their KV slots are overwritten by the next tokens
-        computed there) and whole blocks past the next token to compute go back to the pool. Accepted proposals
-        are the request's next tokens; they are registered here before the engine appends them to all_ids.
+        computed there) and whole blocks past the kept tokens go back to the pool, as after any other step. Accepted
+        proposals are the request's next tokens; they are registered here before the engine appends them.
         """
         req = item.request
         assert 0 <= num_rejected <= len(item.spec_ids)
@@ -151,7 +151,7 @@ class Scheduler:
             self.bm.cache_full_blocks(req.block_table, ids, req.num_cached_blocks, num_full)
             req.num_cached_blocks = num_full
         if item.spec_ids:
-            keep = self.bm.blocks_needed(req.num_computed_tokens + 1)  # through the next token's slot
+            keep = self.bm.blocks_needed(req.num_computed_tokens)
             if len(req.block_table) > keep:
                 self.bm.free(req.block_table[keep:])
                 del req.block_table[keep:]

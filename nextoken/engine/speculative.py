@@ -18,8 +18,10 @@ same tokens (up to a logit's last bits, which may move with the rows of a pass).
 
 Adaptive k (`KPolicy`): how many tokens to propose is chosen per sequence, per step, from its measured acceptance
 and the measured cost of a pass of n rows (`StepCosts`): the k that maximizes the expected tokens per second of the
-step, which is 0 (off) whenever plain decoding is faster. A sequence switched off still probes now and then, with
-exponentially growing gaps while probes fail, so that acceptance that rises later is found again.
+step, which is 0 (off) whenever plain decoding is faster. A sequence switched off keeps learning at no cost: its
+proposal is kept aside and checked against the tokens plain decoding then yields, which are exactly the tokens
+verification would have sampled (the same rows, the same uniforms), so its acceptance is known either way and
+speculation resumes as soon as it would pay.
 """
 
 from __future__ import annotations
@@ -37,9 +39,6 @@ from nextoken.ops.attention import AttentionMetadata
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
 NGRAM_MAX = 6
 DECAY = 0.9  # per verified step, the weight of a sequence's earlier acceptance
-PROBE_GAP = 8  # steps between probes of a sequence switched off, doubling after each failed probe...
-MAX_PROBE_GAP = 256  # ...up to this
-PROBE_ACCEPTANCE = 0.95  # the acceptance a probe's k is chosen for
 
 
 def num_accepted(spec_ids: Sequence[int], token_ids: Sequence[int]) -> int:
@@ -173,18 +172,33 @@ def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], de
 @dataclass
 class SeqSpec:
     """A sequence's speculation state: its n-gram index, its acceptance (decayed counts of proposals accepted and of
-    the first rejections) and its probing schedule while switched off."""
+    the first rejections), and while it is off, the proposal not verified (`shadow`: where it starts, its tokens)."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
     accepted: float = 0.0
     rejected: float = 0.0
-    steps_off: int = 0
-    probe_gap: int = PROBE_GAP
+    shadow: tuple[int, list[int]] | None = None
 
     @property
     def acceptance(self) -> float:
         """Per proposal, the probability it is accepted given those before it (a Laplace estimate)."""
         return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+
+    def learn(self, num_proposed: int, num_accepted_: int) -> None:
+        self.accepted = DECAY * self.accepted + num_accepted_
+        self.rejected = DECAY * self.rejected + (1 if num_accepted_ < num_proposed else 0)
+
+    def check_shadow(self, ids: Sequence[int]) -> None:
+        """Learn from the proposal kept aside once the tokens generated since decide it (a mismatch, or all of it
+        matched)."""
+        if self.shadow is None:
+            return
+        start, proposal = self.shadow
+        known = ids[start:start + len(proposal)]
+        m = num_accepted(proposal[:len(known)], known)
+        if m < len(known) or len(known) == len(proposal):
+            self.learn(len(proposal), m)
+            self.shadow = None
 
 
 class KPolicy:
@@ -236,16 +250,14 @@ class Speculator:
             if room <= 0:
                 req.spec_ids = []
                 continue
+            state.check_shadow(req.all_ids)
             proposal = state.index.propose(req.all_ids, room)
             if not self.adaptive:
                 req.spec_ids = proposal
                 continue
             k, more = self.policy.choose(rows, tokens, state.acceptance, len(proposal), verifying)
-            if k == 0 and proposal:
-                state.steps_off += 1
-                if state.steps_off >= state.probe_gap:  # probe: the k that would pay at a high acceptance
-                    k, _ = self.policy.choose(rows, tokens, PROBE_ACCEPTANCE, len(proposal), verifying)
-                    more = tokens + expected_tokens(state.acceptance, k) - 1.0
+            if k == 0 and proposal and state.shadow is None:
+                state.shadow = (req.num_tokens, proposal)
             req.spec_ids = proposal[:k]
             if k:
                 rows += k
@@ -253,14 +265,10 @@ class Speculator:
                 verifying = True
 
     def record(self, req: Request, num_proposed: int, num_accepted_: int) -> None:
-        """A verified step of `req`: its acceptance, its probing schedule and its counters."""
-        state: SeqSpec = req.spec_state
-        state.accepted = DECAY * state.accepted + num_accepted_
-        state.rejected = DECAY * state.rejected + (1 if num_accepted_ < num_proposed else 0)
-        if state.steps_off >= state.probe_gap:  # this step was a probe
-            paid = (num_accepted_ + 1) * self.costs(1, verify=False) >= self.costs(1 + num_proposed)
-            state.probe_gap = PROBE_GAP if paid else min(2 * state.probe_gap, MAX_PROBE_GAP)
-        state.steps_off = 0
+        """A verified step of `req`: its acceptance and its counters."""
+        if req.spec_state is None:
+            req.spec_state = SeqSpec()
+        req.spec_state.learn(num_proposed, num_accepted_)
         t = req.timings
         t.num_spec_proposed += num_proposed
         t.num_spec_accepted += num_accepted_
