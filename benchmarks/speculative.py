@@ -48,6 +48,8 @@ EDIT = {
            f"{PARAGRAPH}",
     "list": "Continue this list in the same format up to item 30:\n1. apple (fruit)\n2. carrot (vegetable)\n"
             "3. banana (fruit)\n4. potato (vegetable)\n5. cherry (fruit)\n6. onion (vegetable)\n",
+    "json": "Convert this list to JSON: name: Alice, age: 30, city: Paris; name: Bob, age: 25, city: London; "
+            "name: Carol, age: 35, city: Berlin; name: Dave, age: 40, city: Madrid",
 }
 OPEN = {
     "story": "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",

@@ -39,6 +39,8 @@ from nextoken.ops.attention import AttentionMetadata
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
 NGRAM_MAX = 6
 DECAY = 0.9  # per verified step, the weight of a sequence's earlier acceptance
+# Tokens of an unverified proposal checked against plain decoding: few, so that a run of copying is noticed soon
+SHADOW_TOKENS = 4
 
 
 def num_accepted(spec_ids: Sequence[int], token_ids: Sequence[int]) -> int:
@@ -171,22 +173,31 @@ def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], de
 
 @dataclass
 class SeqSpec:
-    """A sequence's speculation state: its n-gram index, its acceptance (decayed counts of proposals accepted and of
-    the first rejections), and while it is off, the proposal not verified (`shadow`: where it starts, its tokens)."""
+    """A sequence's speculation state: its n-gram index; its acceptance, as decayed counts of proposals accepted and
+    of first rejections, kept apart by what the sequence's last proposal did (`in_run`: all of it accepted, or
+    not). Copying comes in runs: while a sequence copies, proposals keep being right, and right after a rejection
+    (the output has left what it was copying) the next ones are mostly wrong; one estimate over both would verify
+    long proposals after each divergence, and switch off in the middle of runs. While it is off, its proposal is
+    kept aside unverified (`shadow`: where it starts, its first SHADOW_TOKENS tokens) and checked against what
+    plain decoding yields."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    accepted: float = 0.0
-    rejected: float = 0.0
+    accepted: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [after a rejection, in a run]
+    rejected: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    in_run: bool = False
     shadow: tuple[int, list[int]] | None = None
 
     @property
     def acceptance(self) -> float:
-        """Per proposal, the probability it is accepted given those before it (a Laplace estimate)."""
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        """Per proposal, now, the probability it is accepted given those before it (a Laplace estimate)."""
+        state = int(self.in_run)
+        return (self.accepted[state] + 1.0) / (self.accepted[state] + self.rejected[state] + 2.0)
 
     def learn(self, num_proposed: int, num_accepted_: int) -> None:
-        self.accepted = DECAY * self.accepted + num_accepted_
-        self.rejected = DECAY * self.rejected + (1 if num_accepted_ < num_proposed else 0)
+        state = int(self.in_run)
+        self.accepted[state] = DECAY * self.accepted[state] + num_accepted_
+        self.rejected[state] = DECAY * self.rejected[state] + (1 if num_accepted_ < num_proposed else 0)
+        self.in_run = num_accepted_ == num_proposed
 
     def check_shadow(self, ids: Sequence[int]) -> None:
         """Learn from the proposal kept aside once the tokens generated since decide it (a mismatch, or all of it
@@ -257,7 +268,7 @@ class Speculator:
                 continue
             k, more = self.policy.choose(rows, tokens, state.acceptance, len(proposal), verifying)
             if k == 0 and proposal and state.shadow is None:
-                state.shadow = (req.num_tokens, proposal)
+                state.shadow = (req.num_tokens, proposal[:SHADOW_TOKENS])
             req.spec_ids = proposal[:k]
             if k:
                 rows += k

@@ -232,12 +232,29 @@ def test_a_sequence_switched_off_learns_from_its_unverified_proposals() -> None:
     state.shadow = (5, [3, 1, 2])
     state.check_shadow(ids + [3])  # not decided yet
     assert state.shadow is not None
-    before = state.acceptance
     state.check_shadow(ids + [3, 1, 2])
-    assert state.shadow is None and state.acceptance > before
+    assert state.shadow is None and state.in_run and state.accepted[0] == 3
     state.shadow = (8, [9, 9])
     state.check_shadow(ids + [3, 1, 2, 4])  # the first token differs
-    assert state.shadow is None and state.rejected > 0
+    assert state.shadow is None and not state.in_run and state.rejected[1] > 0
+
+
+def test_acceptance_is_kept_apart_in_runs_and_after_rejections() -> None:
+    """Copying in runs: long accepted proposals while in a run, wrong ones right after leaving it. The estimate in
+    a run stays high however many divergences there were, and after one it stays low."""
+    state = SeqSpec()
+    for _ in range(5):
+        state.learn(4, 4)  # a run starts
+        state.learn(8, 8)
+        state.learn(8, 8)
+        state.learn(8, 2)  # leaves it
+        for _ in range(4):
+            state.learn(4, 0)  # the next proposals are wrong
+    assert not state.in_run and state.acceptance < 0.5
+    state.learn(4, 4)
+    assert state.in_run and state.acceptance > 0.9
+    state.learn(8, 1)
+    assert not state.in_run and state.acceptance < 0.6
 
 
 def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
