@@ -16,18 +16,24 @@ with probability p(x), and on rejection the token is drawn from p without x, ren
 distribution is the target's exactly, greedy output is plain greedy decoding's, and a seeded request draws the
 same tokens (up to a logit's last bits, which may move with the rows of a pass).
 
-Adaptive k (`KPolicy`): how many tokens to propose is chosen per sequence, per step, from its measured acceptance
-and the measured cost of a pass of n rows (`StepCosts`): the k that maximizes the expected tokens per second of the
-step, which is 0 (off) whenever plain decoding is faster. A sequence switched off keeps learning at no cost: its
+Adaptive k (`KPolicy`): how many tokens to propose is chosen per sequence, per step, from the tokens it can expect
+a step to yield and the measured cost of a pass of n rows (`StepCosts`): the k that maximizes the expected tokens
+per second of the step, which is 0 (off) whenever plain decoding is faster. What a sequence can expect (`SeqSpec`)
+comes from its runs: copying (an edit, a list, a quotation) comes in runs of proposals that keep being right, ended
+by a divergence after which the next proposals are mostly wrong. A run that has lasted r tokens is expected to go
+on as the sequence's earlier runs that reached r went on, and as long again as it has lasted (one more, optimistic,
+observation; nothing past what was seen is assumed). A sequence switched off keeps learning at no cost: its
 proposal is kept aside and checked against the tokens plain decoding then yields, which are exactly the tokens
-verification would have sampled (the same rows, the same uniforms), so its acceptance is known either way and
+verification would have sampled (the same rows, the same uniforms), so its runs are known either way and
 speculation resumes as soon as it would pay.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +44,7 @@ from nextoken.ops.attention import AttentionMetadata
 
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
 NGRAM_MAX = 6
-DECAY = 0.9  # per verified step, the weight of a sequence's earlier acceptance
+RUN_HISTORY = 16  # a sequence's latest runs that predict its next one
 # Tokens of an unverified proposal checked against plain decoding: few, so that a run of copying is noticed soon
 SHADOW_TOKENS = 4
 
@@ -67,14 +73,6 @@ def verify_rows(max_k: int, max_num_seqs: int) -> list[int]:
     top = min(2 * (max_k + 1), max_k + max_num_seqs)
     rows = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
     return [r for r in rows if r < top] + [top]
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a step with k proposals yields on average when each is accepted with probability `acceptance` (given
-    those before it): 1 + a + a^2 + ... + a^k (the kept token after the last accepted proposal included)."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
 # --- proposer ---------------------------------------------------------------------------------------------------
@@ -121,29 +119,32 @@ class StepCosts:
     def __init__(self, measured: dict[int, float]) -> None:
         self.verify: dict[int, float] = dict(measured)
         self.plain: dict[int, float] = {}
+        self._points = sorted(self.verify.items())  # the verify table, by rows
 
     def observe(self, rows: int, seconds: float, verify: bool) -> None:
         table = self.verify if verify else self.plain
         old = table.get(rows)
         table[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if verify:
+            self._points = sorted(self.verify.items())
 
     def __call__(self, rows: int, verify: bool = True) -> float:
         known = self.plain.get(rows) if not verify else None
-        return known if known is not None else _interpolate(self.verify, rows)
+        return known if known is not None else self._interpolate(rows)
 
-
-def _interpolate(table: dict[int, float], rows: int) -> float:
-    known = table.get(rows)
-    if known is not None:
-        return known
-    points = sorted(table.items())
-    if rows <= points[0][0] or len(points) == 1:
-        return points[0][1] * rows / points[0][0]
-    for (r0, s0), (r1, s1) in zip(points, points[1:]):
-        if r0 <= rows <= r1:
+    def _interpolate(self, rows: int) -> float:
+        known = self.verify.get(rows)
+        if known is not None:
+            return known
+        points = self._points
+        if rows <= points[0][0] or len(points) == 1:
+            return points[0][1] * rows / points[0][0]
+        at = bisect.bisect_left(points, (rows, 0.0))
+        if at < len(points):
+            (r0, s0), (r1, s1) = points[at - 1], points[at]
             return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
-    (r0, s0), (r1, s1) = points[-2], points[-1]
-    return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
+        (r0, s0), (r1, s1) = points[-2], points[-1]
+        return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
 
 
 @torch.inference_mode()
@@ -173,31 +174,30 @@ def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], de
 
 @dataclass
 class SeqSpec:
-    """A sequence's speculation state: its n-gram index; its acceptance, as decayed counts of proposals accepted and
-    of first rejections, kept apart by what the sequence's last proposal did (`in_run`: all of it accepted, or
-    not). Copying comes in runs: while a sequence copies, proposals keep being right, and right after a rejection
-    (the output has left what it was copying) the next ones are mostly wrong; one estimate over both would verify
-    long proposals after each divergence, and switch off in the middle of runs. While it is off, its proposal is
-    kept aside unverified (`shadow`: where it starts, its first SHADOW_TOKENS tokens) and checked against what
-    plain decoding yields."""
+    """A sequence's speculation state: its n-gram index, the length of its current run of accepted proposals (`run`)
+    and of its latest runs ended by a rejection, and while it is off, its proposal kept aside unverified (`shadow`:
+    where it starts, its first SHADOW_TOKENS tokens)."""
 
     index: NgramIndex = field(default_factory=NgramIndex)
-    accepted: list[float] = field(default_factory=lambda: [0.0, 0.0])  # [after a rejection, in a run]
-    rejected: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    in_run: bool = False
+    run: int = 0
+    runs: deque[int] = field(default_factory=lambda: deque(maxlen=RUN_HISTORY))
     shadow: tuple[int, list[int]] | None = None
 
-    @property
-    def acceptance(self) -> float:
-        """Per proposal, now, the probability it is accepted given those before it (a Laplace estimate)."""
-        state = int(self.in_run)
-        return (self.accepted[state] + 1.0) / (self.accepted[state] + self.rejected[state] + 2.0)
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a step verifying k proposals is expected to yield: the accepted ones (what earlier runs that lasted
+        as long as this one went on to accept, and as many again as this one has lasted, each at most k), then
+        one more."""
+        ahead = [length - self.run for length in self.runs if length >= self.run] + [self.run]
+        return 1.0 + sum(min(n, k) for n in ahead) / len(ahead)
 
     def learn(self, num_proposed: int, num_accepted_: int) -> None:
-        state = int(self.in_run)
-        self.accepted[state] = DECAY * self.accepted[state] + num_accepted_
-        self.rejected[state] = DECAY * self.rejected[state] + (1 if num_accepted_ < num_proposed else 0)
-        self.in_run = num_accepted_ == num_proposed
+        self.run += num_accepted_
+        if num_accepted_ < num_proposed:
+            self.end_run()
+
+    def end_run(self) -> None:
+        self.runs.append(self.run)
+        self.run = 0
 
     def check_shadow(self, ids: Sequence[int]) -> None:
         """Learn from the proposal kept aside once the tokens generated since decide it (a mismatch, or all of it
@@ -219,14 +219,14 @@ class KPolicy:
         self.costs = costs
         self.max_k = max_k
 
-    def choose(self, rows: int, tokens: float, acceptance: float, available: int, verifying: bool = False
-               ) -> tuple[int, float]:
+    def choose(self, rows: int, tokens: float, expected: Callable[[int], float], available: int,
+               verifying: bool = False) -> tuple[int, float]:
         """A step of `rows` rows expected to yield `tokens` tokens (`verifying`: some sequence in it proposes
         already): (the k among 0..available that maximizes the step's expected tokens per second with this
         sequence's k proposals added, the step's tokens then)."""
         best_k, best_rate, best_tokens = 0, tokens / self.costs(rows, verify=verifying), tokens
         for k in range(1, min(available, self.max_k) + 1):
-            more = tokens + expected_tokens(acceptance, k) - 1.0
+            more = tokens + expected(k) - 1.0
             rate = more / self.costs(rows + k)
             if rate > best_rate:
                 best_k, best_rate, best_tokens = k, rate, more
@@ -263,10 +263,12 @@ class Speculator:
                 continue
             state.check_shadow(req.all_ids)
             proposal = state.index.propose(req.all_ids, room)
+            if not proposal and state.run:  # nothing repeats here: whatever was copied is left behind
+                state.end_run()
             if not self.adaptive:
                 req.spec_ids = proposal
                 continue
-            k, more = self.policy.choose(rows, tokens, state.acceptance, len(proposal), verifying)
+            k, more = self.policy.choose(rows, tokens, state.expected_tokens, len(proposal), verifying)
             if k == 0 and proposal and state.shadow is None:
                 state.shadow = (req.num_tokens, proposal[:SHADOW_TOKENS])
             req.spec_ids = proposal[:k]
@@ -276,7 +278,7 @@ class Speculator:
                 verifying = True
 
     def record(self, req: Request, num_proposed: int, num_accepted_: int) -> None:
-        """A verified step of `req`: its acceptance and its counters."""
+        """A verified step of `req`: its runs and its counters."""
         if req.spec_state is None:
             req.spec_state = SeqSpec()
         req.spec_state.learn(num_proposed, num_accepted_)

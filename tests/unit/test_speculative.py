@@ -17,7 +17,7 @@ from scipy import stats
 from nextoken import LLM, SamplingParams
 from nextoken.config import EngineConfig
 from nextoken.engine.request import Request
-from nextoken.engine.speculative import KPolicy, NgramIndex, SeqSpec, StepCosts, expected_tokens, num_accepted
+from nextoken.engine.speculative import KPolicy, NgramIndex, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
 from nextoken.ops.sampling import kept_weights
 
@@ -211,19 +211,25 @@ def test_verified_tokens_follow_the_target_distribution(tiny_llama: Path) -> Non
 # --- adaptive k -------------------------------------------------------------------------------------------------
 
 
-def test_k_follows_costs_and_acceptance() -> None:
+def _geometric(acceptance: float):  # noqa: ANN202
+    """Expected tokens of k proposals each accepted with probability `acceptance` given those before it."""
+    return lambda k: sum(acceptance ** i for i in range(k + 1))
+
+
+def test_k_follows_costs_and_expected_tokens() -> None:
     linear = StepCosts({n: 0.004 * n for n in (1, 2, 4, 8, 16, 32)})  # each row costs a row's time
     flat = StepCosts({n: 0.004 + 0.0001 * n for n in (1, 2, 4, 8, 16, 32)})  # k rows cost about one
     gemm = StepCosts({1: 0.004, 2: 0.008, 8: 0.032, 12: 0.025, 16: 0.024, 24: 0.029, 32: 0.036})  # this CPU's shape
-    assert KPolicy(linear, 24).choose(1, 1.0, 0.9, 24)[0] == 0
-    assert KPolicy(flat, 24).choose(1, 1.0, 0.9, 24)[0] > 10
-    assert KPolicy(flat, 24).choose(1, 1.0, 0.9, 3)[0] == 3  # no more than proposed
-    assert KPolicy(gemm, 24).choose(1, 1.0, 0.5, 24)[0] == 0
-    k, tokens = KPolicy(gemm, 24).choose(1, 1.0, 0.97, 24)
-    assert k >= 15 and tokens == pytest.approx(expected_tokens(0.97, k))
+    assert gemm(20) == pytest.approx(0.0265) and gemm(64) == pytest.approx(0.064)  # interpolated, extrapolated
+    assert KPolicy(linear, 24).choose(1, 1.0, _geometric(0.9), 24)[0] == 0
+    assert KPolicy(flat, 24).choose(1, 1.0, _geometric(0.9), 24)[0] > 10
+    assert KPolicy(flat, 24).choose(1, 1.0, _geometric(0.9), 3)[0] == 3  # no more than proposed
+    assert KPolicy(gemm, 24).choose(1, 1.0, _geometric(0.5), 24)[0] == 0
+    k, tokens = KPolicy(gemm, 24).choose(1, 1.0, _geometric(0.97), 24)
+    assert k >= 15 and tokens == pytest.approx(_geometric(0.97)(k))
     # plain steps measured faster than the calibrated pass: the bar rises
     gemm.observe(1, 0.001, verify=False)
-    assert KPolicy(gemm, 24).choose(1, 1.0, 0.97, 24)[0] == 0
+    assert KPolicy(gemm, 24).choose(1, 1.0, _geometric(0.97), 24)[0] == 0
 
 
 def test_a_sequence_switched_off_learns_from_its_unverified_proposals() -> None:
@@ -233,28 +239,28 @@ def test_a_sequence_switched_off_learns_from_its_unverified_proposals() -> None:
     state.check_shadow(ids + [3])  # not decided yet
     assert state.shadow is not None
     state.check_shadow(ids + [3, 1, 2])
-    assert state.shadow is None and state.in_run and state.accepted[0] == 3
+    assert state.shadow is None and state.run == 3
     state.shadow = (8, [9, 9])
     state.check_shadow(ids + [3, 1, 2, 4])  # the first token differs
-    assert state.shadow is None and not state.in_run and state.rejected[1] > 0
+    assert state.shadow is None and state.run == 0 and list(state.runs) == [3]
 
 
-def test_acceptance_is_kept_apart_in_runs_and_after_rejections() -> None:
-    """Copying in runs: long accepted proposals while in a run, wrong ones right after leaving it. The estimate in
-    a run stays high however many divergences there were, and after one it stays low."""
+def test_expected_tokens_follow_the_sequence_runs() -> None:
+    """Copying in runs of about 30 tokens, each followed by wrong proposals: at the start of a run little is
+    expected; a run that has lasted a while is expected to go on as the earlier ones did."""
     state = SeqSpec()
-    for _ in range(5):
-        state.learn(4, 4)  # a run starts
-        state.learn(8, 8)
-        state.learn(8, 8)
-        state.learn(8, 2)  # leaves it
-        for _ in range(4):
-            state.learn(4, 0)  # the next proposals are wrong
-    assert not state.in_run and state.acceptance < 0.5
+    assert state.expected_tokens(24) == 1.0  # nothing seen: nothing assumed
+    for _ in range(4):
+        state.learn(30, 30)
+        state.learn(8, 0)  # the run ends
+        state.learn(4, 0)  # the next proposal is wrong too (a run of 0)
+    assert state.expected_tokens(24) < 1 + 30 / 2  # half the runs are empty
     state.learn(4, 4)
-    assert state.in_run and state.acceptance > 0.9
-    state.learn(8, 1)
-    assert not state.in_run and state.acceptance < 0.6
+    state.learn(4, 4)
+    assert state.expected_tokens(24) == pytest.approx(1 + (4 * 22 + 8) / 5)  # 22 more as the long runs, 8 as itself
+    assert state.expected_tokens(5) == pytest.approx(6)
+    state.learn(24, 24)  # past them all
+    assert state.expected_tokens(24) == pytest.approx(1 + 24)  # only itself: as long again, at most k
 
 
 def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
@@ -264,7 +270,7 @@ def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
         llm = _llm(tiny_llama, speculative="ngram", num_speculative_tokens=8)
         engine = llm.engine
         assert engine.speculator is not None
-        engine.speculator.costs.verify = costs
+        engine.speculator.costs = engine.speculator.policy.costs = StepCosts(costs)
         engine.speculator.observe = lambda *args: None  # type: ignore[method-assign]  # keep the costs given
         out = llm.generate("the the the the the the the", SamplingParams(temperature=0, max_tokens=40,
                                                                          ignore_eos=True), use_tqdm=False)[0]
