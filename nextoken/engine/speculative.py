@@ -21,8 +21,9 @@ a step to yield and the measured cost of a pass of n rows (`StepCosts`): the k t
 per second of the step, which is 0 (off) whenever plain decoding is faster. What a sequence can expect (`SeqSpec`)
 comes from its runs: copying (an edit, a list, a quotation) comes in runs of proposals that keep being right, ended
 by a divergence after which the next proposals are mostly wrong. A run that has lasted r tokens is expected to go
-on as the sequence's earlier runs that reached r went on, and as long again as it has lasted (one more, optimistic,
-observation; nothing past what was seen is assumed). A sequence switched off keeps learning at no cost: its
+on as the sequence's earlier runs that reached r went on, and half as long again as it has lasted (one more
+observation; nothing past what was seen is assumed); a k > 0 must promise MIN_GAIN times plain decoding's rate, so
+that a marginal bet is not taken. A sequence switched off keeps learning at no cost: its
 proposal is kept aside and checked against the tokens plain decoding then yields, which are exactly the tokens
 verification would have sampled (the same rows, the same uniforms), so its runs are known either way and
 speculation resumes as soon as it would pay.
@@ -45,6 +46,7 @@ from nextoken.ops.attention import AttentionMetadata
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
 NGRAM_MAX = 6
 RUN_HISTORY = 16  # a sequence's latest runs that predict its next one
+MIN_GAIN = 1.1  # the expected speed-up over not speculating below which a sequence does not propose
 # Tokens of an unverified proposal checked against plain decoding: few, so that a run of copying is noticed soon
 SHADOW_TOKENS = 4
 
@@ -122,9 +124,11 @@ class StepCosts:
         self._points = sorted(self.verify.items())  # the verify table, by rows
 
     def observe(self, rows: int, seconds: float, verify: bool) -> None:
+        """A step's time. A moving average, each sample held within half to twice the average first: a step that
+        waited for the CPU (another process, a page fault storm) moves it a little, not to the sample."""
         table = self.verify if verify else self.plain
         old = table.get(rows)
-        table[rows] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        table[rows] = seconds if old is None else 0.8 * old + 0.2 * min(max(seconds, old / 2), 2 * old)
         if verify:
             self._points = sorted(self.verify.items())
 
@@ -151,7 +155,8 @@ class StepCosts:
 def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], device: torch.device,
               context: int = 64) -> dict[int, float]:
     """Seconds of a forward pass computing `rows` new tokens with logits for each (a verification pass) after
-    `context` cached ones, on a private cache shaped like the engine's; the second of two runs (the first warms)."""
+    `context` cached ones, on a private cache shaped like the engine's; the fastest of three runs after one that
+    warms (the least disturbed by whatever else the machine runs)."""
     rows = sorted(set(rows))
     total = context + max(rows)
     num_blocks = -(-total // runner_kv.block_size)
@@ -163,12 +168,14 @@ def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], de
         positions = torch.arange(context, context + n, device=device)
         meta = AttentionMetadata(slot_mapping=positions.clone(), query_start_loc=[0, n], seq_lens=[context + n],
                                  block_tables=table, block_size=runner_kv.block_size)
-        for _ in range(2):
+        times = []
+        for _ in range(4):
             start = time.perf_counter()
             model(ids, positions, pool.layers, meta)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            out[n] = time.perf_counter() - start
+            times.append(time.perf_counter() - start)
+        out[n] = min(times[1:])
     return out
 
 
@@ -185,9 +192,9 @@ class SeqSpec:
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a step verifying k proposals is expected to yield: the accepted ones (what earlier runs that lasted
-        as long as this one went on to accept, and as many again as this one has lasted, each at most k), then
-        one more."""
-        ahead = [length - self.run for length in self.runs if length >= self.run] + [self.run]
+        as long as this one went on to accept, and half as many as this one has lasted, each at most k), then one
+        more."""
+        ahead = [length - self.run for length in self.runs if length >= self.run] + [self.run / 2]
         return 1.0 + sum(min(n, k) for n in ahead) / len(ahead)
 
     def learn(self, num_proposed: int, num_accepted_: int) -> None:
@@ -224,7 +231,7 @@ class KPolicy:
         """A step of `rows` rows expected to yield `tokens` tokens (`verifying`: some sequence in it proposes
         already): (the k among 0..available that maximizes the step's expected tokens per second with this
         sequence's k proposals added, the step's tokens then)."""
-        best_k, best_rate, best_tokens = 0, tokens / self.costs(rows, verify=verifying), tokens
+        best_k, best_rate, best_tokens = 0, MIN_GAIN * tokens / self.costs(rows, verify=verifying), tokens
         for k in range(1, min(available, self.max_k) + 1):
             more = tokens + expected(k) - 1.0
             rate = more / self.costs(rows + k)

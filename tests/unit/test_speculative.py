@@ -257,10 +257,10 @@ def test_expected_tokens_follow_the_sequence_runs() -> None:
     assert state.expected_tokens(24) < 1 + 30 / 2  # half the runs are empty
     state.learn(4, 4)
     state.learn(4, 4)
-    assert state.expected_tokens(24) == pytest.approx(1 + (4 * 22 + 8) / 5)  # 22 more as the long runs, 8 as itself
-    assert state.expected_tokens(5) == pytest.approx(6)
+    assert state.expected_tokens(24) == pytest.approx(1 + (4 * 22 + 4) / 5)  # 22 more as the long runs, 4 as itself
+    assert state.expected_tokens(3) == pytest.approx(4)
     state.learn(24, 24)  # past them all
-    assert state.expected_tokens(24) == pytest.approx(1 + 24)  # only itself: as long again, at most k
+    assert state.expected_tokens(24) == pytest.approx(1 + 16)  # only itself: half as long again, at most k
 
 
 def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
