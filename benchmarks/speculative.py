@@ -75,6 +75,36 @@ def decode_rate(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float, l
     return out.timings["decode_tokens_per_s"] or 0.0, out.token_ids, out.timings
 
 
+def cases(max_tokens: int) -> list[tuple[str, str, SamplingParams]]:
+    """(name, prompt, params): the edit-style and open prompts, greedy; the open ones sampled too."""
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    sampled = SamplingParams(temperature=1.0, seed=7, max_tokens=max_tokens)
+    return ([(f"edit:{name}", text, greedy) for name, text in EDIT.items()]
+            + [(f"open:{name}", text, greedy) for name, text in OPEN.items()]
+            + [(f"open:{name}:t1", text, sampled) for name, text in OPEN.items()])
+
+
+def measure(plain: LLM, spec: LLM, name: str, text: str, params: SamplingParams, repeats: int) -> dict:
+    """One prompt on both engines, taking turns `repeats` times: medians of decode tokens/s, the n-gram side's
+    acceptance and mean accepted length, and whether both produced the same tokens."""
+    rates: dict[str, list[float]] = {"plain": [], "ngram": []}
+    proposed = accepted = steps = 0
+    ids: dict[str, list[int]] = {}
+    for _ in range(repeats):
+        for label, llm in (("plain", plain), ("ngram", spec)):
+            rate, ids[label], timings = decode_rate(llm, text, params)
+            rates[label].append(rate)
+            if label == "ngram":
+                proposed += timings["spec_proposed_tokens"]
+                accepted += timings["spec_accepted_tokens"]
+                mean = timings["spec_mean_accepted"]
+                steps += round(timings["spec_accepted_tokens"] / mean) if mean else 0
+    a, b = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
+    return {"name": name, "plain_tok_s": a, "ngram_tok_s": b, "speedup": b / a if a else 0.0,
+            "acceptance": accepted / proposed if proposed else 0.0, "mean_accepted": accepted / steps if steps else 0.0,
+            "tokens": len(ids["ngram"]), "same": ids["plain"] == ids["ngram"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -94,29 +124,11 @@ def main() -> None:
           f"{spec.engine.config.max_speculative_tokens}")
     print(f"{'prompt':<16}{'plain tok/s':>12}{'ngram tok/s':>12}{'speed-up':>10}{'accepted':>10}{'mean len':>10}"
           f"{'tokens':>8}")
-    cases = [(f"edit:{name}", text, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-             for name, text in EDIT.items()]
-    cases += [(f"open:{name}", text, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-              for name, text in OPEN.items()]
-    cases += [(f"open:{name}:t1", text, SamplingParams(temperature=1.0, seed=7, max_tokens=args.max_tokens))
-              for name, text in OPEN.items()]
-    for name, text, params in cases:
-        rates: dict[str, list[float]] = {"plain": [], "ngram": []}
-        proposed = accepted = steps = 0
-        ids: dict[str, list[int]] = {}
-        for _ in range(args.repeats):
-            for label, llm in (("plain", plain), ("ngram", spec)):
-                rate, ids[label], timings = decode_rate(llm, text, params)
-                rates[label].append(rate)
-                if label == "ngram":
-                    proposed += timings["spec_proposed_tokens"]
-                    accepted += timings["spec_accepted_tokens"]
-                    mean = timings["spec_mean_accepted"]
-                    steps += round(timings["spec_accepted_tokens"] / mean) if mean else 0
-        a, b = statistics.median(rates["plain"]), statistics.median(rates["ngram"])
-        same = "" if ids["plain"] == ids["ngram"] else "  OUTPUT DIFFERS"
-        print(f"{name:<16}{a:>12.1f}{b:>12.1f}{b / a:>9.2f}x{accepted / max(proposed, 1):>10.0%}"
-              f"{accepted / max(steps, 1):>10.1f}{len(ids['ngram']):>8}{same}")
+    for name, text, params in cases(args.max_tokens):
+        r = measure(plain, spec, name, text, params, args.repeats)
+        same = "" if r["same"] else "  OUTPUT DIFFERS"
+        print(f"{name:<16}{r['plain_tok_s']:>12.1f}{r['ngram_tok_s']:>12.1f}{r['speedup']:>9.2f}x"
+              f"{r['acceptance']:>10.0%}{r['mean_accepted']:>10.1f}{r['tokens']:>8}{same}")
 
 
 if __name__ == "__main__":
