@@ -117,7 +117,7 @@ class LLMEngine:
         # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
         max_k = config.max_speculative_tokens
         self.speculator = Speculator(max_k, StepCosts(calibrate(
-            self.runner.model, self.runner.kv_pool, verify_rows(max_k, config.max_num_seqs), self.runner.device))) \
+            self.runner.model, self.runner.kv_pool, verify_rows(max_k), self.runner.device))) \
             if max_k else None
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}

@@ -69,12 +69,11 @@ def restore_generator(generator: torch.Generator, state: torch.Tensor, num_kept:
         torch.rand(1, dtype=torch.float64, generator=generator)
 
 
-def verify_rows(max_k: int, max_num_seqs: int) -> list[int]:
-    """The row counts whose verifying passes `calibrate` times: up to a step of K + 1 rows beside as many plain
-    ones, in steps that double (StepCosts interpolates between them)."""
-    top = min(2 * (max_k + 1), max_k + max_num_seqs)
-    rows = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128]
-    return [r for r in rows if r < top] + [top]
+def verify_rows(max_k: int) -> list[int]:
+    """The row counts whose verifying passes `calibrate` times: up to a step of K + 1 rows, in steps that double
+    (StepCosts interpolates between them, and extrapolates past them for batches), and 12, where CPU products
+    change from the block kernels to a GEMM (ops/quant_linear.py)."""
+    return sorted({r for r in (1, 2, 4, 8, 12, 16, 32, 64) if r < max_k + 1} | {max_k + 1})
 
 
 # --- proposer ---------------------------------------------------------------------------------------------------
@@ -155,27 +154,27 @@ class StepCosts:
 def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], device: torch.device,
               context: int = 64) -> dict[int, float]:
     """Seconds of a forward pass computing `rows` new tokens with logits for each (a verification pass) after
-    `context` cached ones, on a private cache shaped like the engine's; the fastest of three runs after one that
-    warms (the least disturbed by whatever else the machine runs)."""
+    `context` cached ones, on a private cache shaped like the engine's: the faster of two runs (the less disturbed
+    by whatever else the machine runs), after one pass of the most rows that warms the buffers."""
     rows = sorted(set(rows))
     total = context + max(rows)
     num_blocks = -(-total // runner_kv.block_size)
     pool = KVPool(runner_kv.shape, num_blocks, runner_kv.block_size, device)
     table = torch.arange(num_blocks, device=device)[None]
     out: dict[int, float] = {}
-    for n in rows:
+    for n in [rows[-1]] + rows:
         ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]: which tokens does not change the cost
         positions = torch.arange(context, context + n, device=device)
         meta = AttentionMetadata(slot_mapping=positions.clone(), query_start_loc=[0, n], seq_lens=[context + n],
                                  block_tables=table, block_size=runner_kv.block_size)
         times = []
-        for _ in range(4):
+        for _ in range(2):
             start = time.perf_counter()
             model(ids, positions, pool.layers, meta)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-        out[n] = min(times[1:])
+        out[n] = min(times)
     return out
 
 
