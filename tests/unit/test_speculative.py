@@ -140,6 +140,20 @@ def test_seeded_output_is_plain_output(tiny_llama: Path, params: SamplingParams)
     _same_outputs(_llm(tiny_llama), _forced(tiny_llama, k=4, wrong=0.2), params)
 
 
+def test_beams_and_prompt_logprobs_are_untouched(tiny_llama: Path) -> None:
+    """Beam searches never propose (their beams step together); a request asking for prompt log-probabilities
+    reports the same ones and decodes the same tokens."""
+    plain, spec = _llm(tiny_llama), _forced(tiny_llama, k=4)
+    beams = SamplingParams(max_tokens=10, ignore_eos=True, beam_width=3, n=2)
+    a, b = plain.generate(PROMPTS[:2], beams, use_tqdm=False), spec.generate(PROMPTS[:2], beams, use_tqdm=False)
+    assert [[c.token_ids for c in x.outputs] for x in a] == [[c.token_ids for c in y.outputs] for y in b]
+    scored = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=2)
+    x, y = plain.generate(PROMPTS[2], scored, use_tqdm=False)[0], spec.generate(PROMPTS[2], scored, use_tqdm=False)[0]
+    assert x.token_ids == y.token_ids and y.timings["spec_accepted_tokens"] > 0
+    assert [[t for t, _ in row] for row in x.prompt_logprobs] == [[t for t, _ in row] for row in y.prompt_logprobs]
+    spec.engine.block_manager.check_integrity(expected_refs={})
+
+
 def test_batching_chunking_prefix_cache_and_preemption(tiny_llama: Path) -> None:
     """Many requests at once in a pool too small for all (preemptions), prompts longer than a step (chunks) and
     sharing their starts (prefix hits), proposals rejected often: still plain decoding's output, no block lost."""
