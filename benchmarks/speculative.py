@@ -2,7 +2,7 @@
 fix a paragraph, continue a list: the answer repeats much of the prompt) and open chat (greedy, and sampled at
 temperature 1 with a seed: speculation draws the same tokens, so both sides decode the same text).
 
-Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--max-tokens N] [--repeats N] [--k K]
+Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--max-tokens N] [--repeats N] [--k K] [--only ...]
 One process, one model loaded twice (plain, and with `speculative="ngram"`); each prompt runs on both, taking turns
 `--repeats` times, and the medians of decode tokens/s (first token to last) are compared: the ratio is the speed-up.
 Acceptance: accepted / proposed tokens; mean accepted length: accepted tokens per verifying step. The outputs of both
@@ -111,6 +111,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
+    ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
     plain = LLM(args.model)
     spec = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k)
@@ -125,6 +126,8 @@ def main() -> None:
     print(f"{'prompt':<16}{'plain tok/s':>12}{'ngram tok/s':>12}{'speed-up':>10}{'accepted':>10}{'mean len':>10}"
           f"{'tokens':>8}")
     for name, text, params in cases(args.max_tokens):
+        if args.only and name not in args.only:
+            continue
         r = measure(plain, spec, name, text, params, args.repeats)
         same = "" if r["same"] else "  OUTPUT DIFFERS"
         print(f"{name:<16}{r['plain_tok_s']:>12.1f}{r['ngram_tok_s']:>12.1f}{r['speedup']:>9.2f}x"

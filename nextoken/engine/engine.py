@@ -29,8 +29,7 @@ from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
-from nextoken.engine.speculative import (Speculator, StepCosts, calibrate, num_accepted, restore_generator,
-                                         verify_rows)
+from nextoken.engine.speculative import Speculator, StepCosts, calibrate, first_rows, sampling_rows, verify_rows
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFDirectory
@@ -263,39 +262,18 @@ class LLMEngine:
         if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None:  # as the sampler allowed (argmax_only)
             result = Sampler.from_argmax(batch.argmax_ids)
         elif sampling:
-            # One row per sampling chunk, and one more per proposal: row j samples as plain decoding would once
-            # the proposals before it are the output's (penalties and processors see them).
-            rows: list[SamplingRow] = []
-            picked: list[int] = []
-            for i, first in sampling:
-                req, spec = scheduled[i].request, scheduled[i].spec_ids
-                if spec and req.generator is not None and not req.params.is_greedy:
-                    saved[i] = req.generator.get_state()
-                for j in range(len(spec) + 1):
-                    rows.append(SamplingRow(req.params, req.generator, req.prompt_ids,
-                                            req.output_ids + spec[:j] if j else req.output_ids, req.stop_ids))
-                    picked.append(first + j)
+            rows, picked, saved = sampling_rows(scheduled, sampling)  # one more per proposal (speculative.py)
             result, failed = self._sample(take_rows(logits, picked), rows)
-        token_for: dict[int, int] = {}  # item -> its first row in the result
-        for i, _ in sampling:
-            token_for[i] = len(token_for) + sum(len(scheduled[j].spec_ids) for j in token_for)
+        token_for = first_rows(scheduled, sampling)  # item -> its first row in the result
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         stepped: list[BeamGroup] = []
         for i, item in enumerate(scheduled):
             req = item.request
             kept: list[int] = []  # with proposals: the tokens this step yields (accepted ones, then one sampled)
-            if item.spec_ids and i in token_for and result is not None:
-                first, count = token_for[i], len(item.spec_ids) + 1
-                drawn = result.token_ids[first:first + count]
-                ok = not any(first + j in failed for j in range(count))
-                kept = drawn[:num_accepted(item.spec_ids, drawn) + 1] if ok else []
-                self.scheduler.advance(item, len(item.spec_ids) + 1 - len(kept) if kept else len(item.spec_ids))
-                if kept:
-                    if i in saved:  # put back just past the draws of the tokens kept
-                        restore_generator(req.generator, saved[i], len(kept))
-                    assert self.speculator is not None
-                    self.speculator.record(req, len(item.spec_ids), len(kept) - 1)
+            if item.spec_ids and self.speculator is not None and result is not None:
+                kept = self.speculator.verify(item, result.token_ids, token_for[i], failed, saved.get(i),
+                                              self.scheduler)
             else:
                 self.scheduler.advance(item)
             if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:

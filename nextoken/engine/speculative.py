@@ -23,10 +23,10 @@ comes from its runs: copying (an edit, a list, a quotation) comes in runs of pro
 by a divergence after which the next proposals are mostly wrong. A run that has lasted r tokens is expected to go
 on as the sequence's earlier runs that reached r went on, and half as long again as it has lasted (one more
 observation; nothing past what was seen is assumed); a k > 0 must promise MIN_GAIN times plain decoding's rate, so
-that a marginal bet is not taken. A sequence switched off keeps learning at no cost: its
-proposal is kept aside and checked against the tokens plain decoding then yields, which are exactly the tokens
-verification would have sampled (the same rows, the same uniforms), so its runs are known either way and
-speculation resumes as soon as it would pay.
+that a marginal bet is not taken. A sequence switched off keeps learning at no cost: its proposal is kept aside
+and checked against the tokens plain decoding then yields, which are exactly the tokens verification would have
+sampled (the same rows, the same uniforms), so its runs are known either way and speculation resumes as soon as it
+would pay.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import torch
 
 from nextoken.cache.kv_pool import KVPool
 from nextoken.engine.request import Request
+from nextoken.engine.sampler import SamplingRow
+from nextoken.engine.scheduler import ScheduledRequest, Scheduler
 from nextoken.ops.attention import AttentionMetadata
 
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
@@ -67,6 +69,36 @@ def restore_generator(generator: torch.Generator, state: torch.Tensor, num_kept:
     generator.set_state(state)
     for _ in range(num_kept):
         torch.rand(1, dtype=torch.float64, generator=generator)
+
+
+def sampling_rows(scheduled: Sequence[ScheduledRequest], sampling: Sequence[tuple[int, int]]
+                  ) -> tuple[list[SamplingRow], list[int], dict[int, torch.Tensor]]:
+    """A step's rows to sample, from (scheduled item, its first logits row) of each chunk that samples: one per
+    chunk, and one more per proposal, row j as plain decoding would sample it once the proposals before it are the
+    output's (penalties and processors see them). -> (the rows, their logits rows, the seeded generators' states
+    before drawing, by item, for the items that verify a sampled request)."""
+    rows: list[SamplingRow] = []
+    picked: list[int] = []
+    saved: dict[int, torch.Tensor] = {}
+    for i, first in sampling:
+        req, spec = scheduled[i].request, scheduled[i].spec_ids
+        if spec and req.generator is not None and not req.params.is_greedy:
+            saved[i] = req.generator.get_state()
+        for j in range(len(spec) + 1):
+            rows.append(SamplingRow(req.params, req.generator, req.prompt_ids,
+                                    req.output_ids + spec[:j] if j else req.output_ids, req.stop_ids))
+            picked.append(first + j)
+    return rows, picked, saved
+
+
+def first_rows(scheduled: Sequence[ScheduledRequest], sampling: Sequence[tuple[int, int]]) -> dict[int, int]:
+    """Each sampling item's first row among sampling_rows' rows."""
+    out: dict[int, int] = {}
+    at = 0
+    for i, _ in sampling:
+        out[i] = at
+        at += 1 + len(scheduled[i].spec_ids)
+    return out
 
 
 def verify_rows(max_k: int) -> list[int]:
@@ -279,9 +311,28 @@ class Speculator:
                 state.shadow = (req.num_tokens, proposal[:SHADOW_TOKENS])
             req.spec_ids = proposal[:k]
             if k:
+                state.shadow = None  # this step's verification tells more, from the same tokens
                 rows += k
                 tokens = more
                 verifying = True
+
+    def verify(self, item: ScheduledRequest, token_ids: Sequence[int], first: int, failed: set[int],
+               saved: torch.Tensor | None, scheduler: Scheduler) -> list[int]:
+        """A chunk with proposals, its rows sampled (from `first` in `token_ids`; `failed`: rows whose sampling
+        raised): the tokens it yields (the accepted proposals, then the token sampled after them; [] where its
+        sampling failed). Advances the request's counter over what is kept, puts a seeded generator (its state
+        `saved` before the draws) back to just past the draws of the kept tokens, and learns."""
+        req, count = item.request, len(item.spec_ids) + 1
+        if any(first + j in failed for j in range(count)):
+            scheduler.advance(item, len(item.spec_ids))
+            return []
+        drawn = token_ids[first:first + count]
+        kept = list(drawn[:num_accepted(item.spec_ids, drawn) + 1])
+        scheduler.advance(item, count - len(kept))
+        if saved is not None and req.generator is not None:
+            restore_generator(req.generator, saved, len(kept))
+        self.record(req, len(item.spec_ids), len(kept) - 1)
+        return kept
 
     def record(self, req: Request, num_proposed: int, num_accepted_: int) -> None:
         """A verified step of `req`: its runs and its counters."""

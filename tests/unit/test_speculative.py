@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
 from nextoken import LLM, SamplingParams
@@ -306,4 +305,3 @@ def test_bad_settings_name_the_field(options: dict, named: str) -> None:
         EngineConfig(**options)
     assert EngineConfig(speculative="ngram").max_speculative_tokens == 24
     assert EngineConfig().max_speculative_tokens == 0
-    assert torch.is_tensor(torch.zeros(1))
