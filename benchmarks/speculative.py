@@ -2,7 +2,7 @@
 fix a paragraph, continue a list: the answer repeats much of the prompt) and open chat (greedy, and sampled at
 temperature 1 with a seed: speculation draws the same tokens, so both sides decode the same text).
 
-Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--max-tokens N] [--repeats N] [--k K] [--only ...]
+Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--max-tokens N] [--repeats N] [--k K] [--only ...]
 One process, one model loaded twice (plain, and with `speculative="ngram"`); each prompt runs on both, taking turns
 `--repeats` times, and the medians of decode tokens/s (first token to last) are compared: the ratio is the speed-up.
 Acceptance: accepted / proposed tokens; mean accepted length: accepted tokens per verifying step. The outputs of both
@@ -108,13 +108,14 @@ def measure(plain: LLM, spec: LLM, name: str, text: str, params: SamplingParams,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtype", default="auto", help="auto (the CPU's default formats) or float32 (fp32 weights)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
-    plain = LLM(args.model)
-    spec = LLM(args.model, speculative="ngram", num_speculative_tokens=args.k)
+    plain = LLM(args.model, dtype=args.dtype)
+    spec = LLM(args.model, dtype=args.dtype, speculative="ngram", num_speculative_tokens=args.k)
     for llm in (plain, spec):
         llm.engine.runner.settle()
         llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=16),

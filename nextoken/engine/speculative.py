@@ -195,7 +195,10 @@ def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], de
     table = torch.arange(num_blocks, device=device)[None]
     out: dict[int, float] = {}
     for n in [rows[-1]] + rows:
-        ids = torch.zeros(n, dtype=torch.long, device=device)  # [n]: which tokens does not change the cost
+        # [n] ordinary tokens spread over the vocabulary: a run of one id (token 0) can drive fp32 activations
+        # into subnormal numbers, whose arithmetic is many times slower, and the pass would time that
+        vocab = model.config.vocab_size
+        ids = (torch.arange(n, device=device) * 7919 + 1000) % vocab
         positions = torch.arange(context, context + n, device=device)
         meta = AttentionMetadata(slot_mapping=positions.clone(), query_start_loc=[0, n], seq_lens=[context + n],
                                  block_tables=table, block_size=runner_kv.block_size)
