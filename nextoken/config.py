@@ -76,10 +76,16 @@ class EngineConfig:
     # process-wide (torch.set_num_threads) when the engine is built.
     threads: int | None = None
     # Speculative decoding (engine/speculative.py): None (off) | "ngram" (prompt lookup over the sequence's own
-    # tokens). num_speculative_tokens: the most tokens proposed per sequence and step (k adapts below it, down to
-    # 0); None: DEFAULT_SPECULATIVE_TOKENS.
+    # tokens) | "draft:MODEL" (a model sharing the vocabulary drafts, engine/draft.py). num_speculative_tokens: the
+    # most tokens proposed per sequence and step (k adapts below it, down to 0); None: DEFAULT_SPECULATIVE_TOKENS.
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model of speculative="draft:MODEL"."""
+        spec = self.speculative
+        return spec[len("draft:"):].strip() or None if spec is not None and spec.startswith("draft:") else None
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -112,8 +118,10 @@ class EngineConfig:
              f"max_num_batched_tokens={self.max_num_batched_tokens} (at least one block)")
         need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")
         need(self.max_tokens_default >= 1, f"max_tokens_default={self.max_tokens_default}")
-        need(self.speculative in SPECULATIVE_PROPOSERS,
-             f"speculative={self.speculative!r} (ngram: prompt lookup over the sequence's own tokens)")
+        need(self.speculative in SPECULATIVE_PROPOSERS
+             or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and self.draft_model),
+             f"speculative={self.speculative!r} (ngram: prompt lookup over the sequence's own tokens; draft:MODEL: "
+             "a model sharing the vocabulary proposes)")
         k = self.num_speculative_tokens
         need(k is None or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS),
              f"num_speculative_tokens={k!r} (a whole number from 1 to {MAX_SPECULATIVE_TOKENS})")

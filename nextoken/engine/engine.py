@@ -22,6 +22,7 @@ import torch
 from nextoken.cache.block_manager import BlockManager
 from nextoken.config import EngineConfig
 from nextoken.engine.batch import DecodeBatch
+from nextoken.engine.draft import DraftModel
 from nextoken.engine.beam import Beam, BeamGroup
 from nextoken.engine.inputs import InputProcessor, Limits
 from nextoken.engine.output import TextStream
@@ -115,8 +116,10 @@ class LLMEngine:
         self.sampler = Sampler()
         # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
         max_k = config.max_speculative_tokens
+        draft = DraftModel(config.draft_model, config, self.model_config.vocab_size, self.max_model_len) \
+            if config.draft_model else None
         self.speculator = Speculator(max_k, StepCosts(calibrate(
-            self.runner.model, self.runner.kv_pool, verify_rows(max_k), self.runner.device))) \
+            self.runner.model, self.runner.kv_pool, verify_rows(max_k), self.runner.device)), draft) \
             if max_k else None
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
@@ -192,6 +195,8 @@ class LLMEngine:
                 return True
         self.scheduler.finish(live.request, "abort")
         self._release_followers(request_id)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return True
 
     def _release_followers(self, request_id: str) -> None:
@@ -316,9 +321,11 @@ class LLMEngine:
         for group in stepped:
             if group.ready():
                 outputs.extend(self._advance_beams(group))
-        if self.speculator is not None and all(item.num_new_tokens == 1 for item in scheduled):
-            self.speculator.observe(sum(1 + len(item.spec_ids) for item in scheduled),
-                                    time.perf_counter() - started, any(item.spec_ids for item in scheduled))
+        if self.speculator is not None:
+            if all(item.num_new_tokens == 1 for item in scheduled):
+                self.speculator.observe(sum(1 + len(item.spec_ids) for item in scheduled),
+                                        time.perf_counter() - started, any(item.spec_ids for item in scheduled))
+            self.speculator.release(self.scheduler.running)
         return outputs
 
     def _accept_run(self, live: _Live, token_ids: list[int], logprobs: list, now: float) -> RequestOutput:

@@ -36,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -45,9 +46,14 @@ from nextoken.engine.sampler import SamplingRow
 from nextoken.engine.scheduler import ScheduledRequest, Scheduler
 from nextoken.ops.attention import AttentionMetadata
 
+if TYPE_CHECKING:
+    from nextoken.engine.draft import DraftModel
+
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
 NGRAM_MAX = 6
 RUN_HISTORY = 16  # a sequence's latest runs that predict its next one
+DRAFT_DECAY = 0.9  # per verified step, the weight of a sequence's earlier draft acceptance
+PROBE_GAP = 16  # steps after which a sequence whose drafts do not pay drafts one token again
 MIN_GAIN = 1.1  # the expected speed-up over not speculating below which a sequence does not propose
 # Tokens of an unverified proposal checked against plain decoding: few, so that a run of copying is noticed soon
 SHADOW_TOKENS = 4
@@ -223,6 +229,18 @@ class SeqSpec:
     run: int = 0
     runs: deque[int] = field(default_factory=lambda: deque(maxlen=RUN_HISTORY))
     shadow: tuple[int, list[int]] | None = None
+    # A draft model's proposals (engine/draft.py): decayed counts of accepted ones and of first rejections, and
+    # the steps since the sequence last drafted.
+    draft_accepted: float = 0.0
+    draft_rejected: float = 0.0
+    steps_off: int = 0
+
+    def draft_expected(self, k: int) -> float:
+        """Tokens a step verifying k drafted proposals is expected to yield, each accepted given those before it
+        with the sequence's estimated probability (starting from 0.8: a draft shares the target's vocabulary, and
+        usually its family)."""
+        a = (self.draft_accepted + 4.0) / (self.draft_accepted + self.draft_rejected + 5.0)
+        return sum(a ** i for i in range(k + 1))
 
     def expected_tokens(self, k: int) -> float:
         """Tokens a step verifying k proposals is expected to yield: the accepted ones (what earlier runs that lasted
@@ -232,6 +250,8 @@ class SeqSpec:
         return 1.0 + sum(min(n, k) for n in ahead) / len(ahead)
 
     def learn(self, num_proposed: int, num_accepted_: int) -> None:
+        self.draft_accepted = DRAFT_DECAY * self.draft_accepted + num_accepted_
+        self.draft_rejected = DRAFT_DECAY * self.draft_rejected + (1 if num_accepted_ < num_proposed else 0)
         self.run += num_accepted_
         if num_accepted_ < num_proposed:
             self.end_run()
@@ -261,14 +281,15 @@ class KPolicy:
         self.max_k = max_k
 
     def choose(self, rows: int, tokens: float, expected: Callable[[int], float], available: int,
-               verifying: bool = False) -> tuple[int, float]:
+               verifying: bool = False, per_token: float = 0.0, extra: float = 0.0) -> tuple[int, float]:
         """A step of `rows` rows expected to yield `tokens` tokens (`verifying`: some sequence in it proposes
-        already): (the k among 0..available that maximizes the step's expected tokens per second with this
-        sequence's k proposals added, the step's tokens then)."""
-        best_k, best_rate, best_tokens = 0, MIN_GAIN * tokens / self.costs(rows, verify=verifying), tokens
+        already; `extra`: seconds its proposals cost besides; `per_token`: seconds each proposal of this sequence
+        costs, a draft model's step): (the k among 0..available that maximizes the step's expected tokens per
+        second with this sequence's k proposals added, the step's tokens then)."""
+        best_k, best_rate, best_tokens = 0, MIN_GAIN * tokens / (self.costs(rows, verify=verifying) + extra), tokens
         for k in range(1, min(available, self.max_k) + 1):
             more = tokens + expected(k) - 1.0
-            rate = more / self.costs(rows + k)
+            rate = more / (self.costs(rows + k) + extra + k * per_token)
             if rate > best_rate:
                 best_k, best_rate, best_tokens = k, rate, more
         return best_k, best_tokens
@@ -278,10 +299,11 @@ class Speculator:
     """Proposes each decoding sequence's next tokens before a step (`propose`) and learns from what was accepted
     (`record`) and what steps cost (`observe`)."""
 
-    def __init__(self, max_k: int, costs: StepCosts) -> None:
+    def __init__(self, max_k: int, costs: StepCosts, draft: DraftModel | None = None) -> None:
         self.max_k = max_k
         self.costs = costs
         self.policy = KPolicy(costs, max_k)
+        self.draft = draft  # proposals from a draft model (engine/draft.py), else prompt lookup
         # False: every proposal verified at its full length (up to K), whatever it costs (tests, measurements).
         self.adaptive = True
 
@@ -290,6 +312,9 @@ class Speculator:
         The step is costed as one row per running request (a prompt chunk among them makes the step dearer, and the
         proposals' share of it smaller: counting it as one row errs towards proposing less), then the proposals."""
         decoding = [r for r in requests if r.num_computed_tokens == r.num_tokens - 1]
+        if self.draft is not None:
+            self._propose_drafts(decoding, len(requests), max_model_len)
+            return
         rows = len(requests)
         tokens = float(len(decoding))
         verifying = False
@@ -318,6 +343,37 @@ class Speculator:
                 rows += k
                 tokens = more
                 verifying = True
+
+    def _propose_drafts(self, decoding: list[Request], rows: int, max_model_len: int) -> None:
+        """propose, with the draft model: each sequence's k chosen first (its proposals cost a draft step each),
+        then drafted together. A sequence off drafts one token every PROBE_GAP steps, to learn whether it should
+        be on again."""
+        assert self.draft is not None
+        tokens, verifying, extra = float(len(decoding)), False, 0.0
+        per_token = self.draft.step_seconds
+        ks: list[int] = []
+        for req in decoding:
+            state = req.spec_state
+            if state is None:
+                state = req.spec_state = SeqSpec()
+            room = min(self.max_k, req.params.max_tokens - len(req.output_ids) - 1, max_model_len - req.num_tokens - 1)
+            k = max(room, 0)
+            if self.adaptive and k:
+                k, more = self.policy.choose(rows, tokens, state.draft_expected, room, verifying, per_token, extra)
+                state.steps_off = 0 if k else state.steps_off + 1
+                if state.steps_off >= PROBE_GAP:
+                    k, more, state.steps_off = 1, tokens + state.draft_expected(1) - 1.0, 0
+                if k:
+                    rows, tokens, verifying, extra = rows + k, more, True, extra + k * per_token
+            ks.append(k)
+        for req, proposal in zip(decoding, self.draft.propose(decoding, ks)):
+            req.spec_ids = proposal
+
+    def release(self, running: Sequence[Request]) -> None:
+        """After a step, or an abort: a draft model's shadows of requests no longer running give their blocks
+        back."""
+        if self.draft is not None:
+            self.draft.release({req.request_id for req in running})
 
     def verify(self, item: ScheduledRequest, token_ids: Sequence[int], first: int, failed: set[int],
                saved: torch.Tensor | None, scheduler: Scheduler) -> list[int]:

@@ -19,6 +19,7 @@ from nextoken.engine.request import Request
 from nextoken.engine.speculative import KPolicy, NgramIndex, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
 from nextoken.ops.sampling import kept_weights
+from tests.tiny import write_tiny_model
 
 PROMPTS = ["the cat sat on the mat", "hello", "the the the the the the the", "on at en on at en on at en",
            "in the beginning there was the word and the word was"]
@@ -33,10 +34,10 @@ def _llm(path: Path, **options: object) -> LLM:
     return LLM(str(path), **{"dtype": "float32", "device": "cpu", "kv_cache_bytes": 8 << 20, **options})
 
 
-def _forced(path: Path, k: int = 4, wrong: float = 0.0, **options: object) -> LLM:
-    """Speculation on every step it can: the n-gram proposals at full length (no adaptive k); with `wrong`, each
-    proposed token is replaced by a random one with that probability, so that rejections happen everywhere."""
-    llm = _llm(path, speculative="ngram", num_speculative_tokens=k, **options)
+def _forced(path: Path, k: int = 4, wrong: float = 0.0, speculative: str = "ngram", **options: object) -> LLM:
+    """Speculation on every step it can: the proposals at full length (no adaptive k); with `wrong`, each proposed
+    token is replaced by a random one with that probability, so that rejections happen everywhere."""
+    llm = _llm(path, speculative=speculative, num_speculative_tokens=k, **options)
     speculator = llm.engine.speculator
     assert speculator is not None
     speculator.adaptive = False
@@ -166,6 +167,45 @@ def test_batching_chunking_prefix_cache_and_preemption(tiny_llama: Path) -> None
     assert spec.engine.scheduler.num_preemptions > 0
     stats_ = [o.timings for o in spec.generate(prompts[:1], params, use_tqdm=False)]
     assert stats_[0]["cached_prompt_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def other_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second tiny Llama, other random weights, the same vocabulary: a draft that is often wrong."""
+    return write_tiny_model(tmp_path_factory.mktemp("draft") / "draft-llama.gguf", "llama", seed=7)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.9, top_k=8, max_tokens=40, ignore_eos=True, seed=4, repetition_penalty=1.2),
+    SamplingParams(temperature=0.7, max_tokens=30, seed=1, n=3, stop=["th"]),
+], ids=["greedy", "seeded", "n3-stop"])
+def test_draft_model_output_is_plain_output(tiny_llama: Path, other_llama: Path, params: SamplingParams) -> None:
+    """Another model drafts (greedily, from its own KV cache; some of its tokens swapped for random ones, so that
+    its cache is rolled back often): the output is still the target's, and both pools get every block back."""
+    spec = _forced(tiny_llama, k=4, wrong=0.2, speculative=f"draft:{other_llama}")
+    assert _same_outputs(_llm(tiny_llama), spec, params) > 0
+    totals = [o.timings for o in spec.generate(PROMPTS, params, use_tqdm=False)]
+    assert sum(t["spec_proposed_tokens"] for t in totals) > sum(t["spec_accepted_tokens"] for t in totals) > 0
+    draft = spec.engine.speculator.draft  # type: ignore[union-attr]
+    assert draft is not None and not draft.shadows and draft.blocks.num_used_blocks == 0
+    draft.blocks.check_integrity(expected_refs={})
+
+
+def test_draft_model_under_preemption_and_chunking(tiny_llama: Path, other_llama: Path) -> None:
+    kv_bytes_per_block = 16 * 2 * 2 * 2 * 16 * 4
+    options = dict(kv_cache_bytes=12 * kv_bytes_per_block, max_num_batched_tokens=32, block_size=16)
+    spec = _forced(tiny_llama, k=5, speculative=f"draft:{tiny_llama}", **options)
+    prompts = [("the cat sat on the mat and " * 4) + p for p in PROMPTS[:4]] * 2
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True)
+    assert _same_outputs(_llm(tiny_llama, **options), spec, params, prompts) > 0
+    assert spec.engine.scheduler.num_preemptions > 0
+    assert spec.engine.speculator.draft.blocks.num_used_blocks == 0  # type: ignore[union-attr]
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama: Path, tiny_gemma: Path) -> None:
+    with pytest.raises(NextokenError, match="vocabulary"):
+        _llm(tiny_llama, speculative=f"draft:{tiny_gemma}")
 
 
 # --- the rejection rule -----------------------------------------------------------------------------------------
@@ -299,6 +339,7 @@ def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
     (dict(speculative="ngram", num_speculative_tokens=0), "num_speculative_tokens=0"),
     (dict(speculative="ngram", num_speculative_tokens=65), "num_speculative_tokens=65"),
     (dict(num_speculative_tokens=4), "speculative is not"),
+    (dict(speculative="draft:"), "speculative='draft:'"),
 ])
 def test_bad_settings_name_the_field(options: dict, named: str) -> None:
     with pytest.raises(NextokenError, match=named.replace("(", r"\(")):
