@@ -2,8 +2,9 @@
 fix a paragraph, continue a list: the answer repeats much of the prompt) and open chat (greedy, and sampled at
 temperature 1 with a seed: speculation draws the same tokens, so both sides decode the same text).
 
-Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--max-tokens N] [--repeats N] [--k K] [--only ...]
-One process, one model loaded twice (plain, and with `speculative="ngram"`); each prompt runs on both, taking turns
+Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--max-tokens N] [--repeats N] [--k K] [--speculative ngram|draft:MODEL]
+     [--only ...]
+One process, one model loaded twice (plain, and with `speculative=...`); each prompt runs on both, taking turns
 `--repeats` times, and the medians of decode tokens/s (first token to last) are compared: the ratio is the speed-up.
 Acceptance: accepted / proposed tokens; mean accepted length: accepted tokens per verifying step. The outputs of both
 sides are checked identical. The CPU is named (lscpu), since whether a k-row pass costs about one row's time, which
@@ -112,19 +113,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
+    ap.add_argument("--speculative", default="ngram", help="the proposer: ngram or draft:MODEL")
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
     plain = LLM(args.model, dtype=args.dtype)
-    spec = LLM(args.model, dtype=args.dtype, speculative="ngram", num_speculative_tokens=args.k)
+    spec = LLM(args.model, dtype=args.dtype, speculative=args.speculative, num_speculative_tokens=args.k)
     for llm in (plain, spec):
         llm.engine.runner.settle()
         llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=16),
                  use_tqdm=False)
     print(f"CPU: {cpu_name()}")
     print(f"model: {args.model} ({plain.engine.runner.weights} weights, {plain.engine.runner.lm_head} head), "
-          f"batch 1, {args.max_tokens} tokens at most, median of {args.repeats}; n-gram K = "
+          f"batch 1, {args.max_tokens} tokens at most, median of {args.repeats}; {args.speculative}, K = "
           f"{spec.engine.config.max_speculative_tokens}")
-    print(f"{'prompt':<16}{'plain tok/s':>12}{'ngram tok/s':>12}{'speed-up':>10}{'accepted':>10}{'mean len':>10}"
+    print(f"{'prompt':<16}{'plain tok/s':>12}{'spec tok/s':>12}{'speed-up':>10}{'accepted':>10}{'mean len':>10}"
           f"{'tokens':>8}")
     for name, text, params in cases(args.max_tokens):
         if args.only and name not in args.only:

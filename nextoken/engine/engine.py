@@ -118,6 +118,10 @@ class LLMEngine:
         max_k = config.max_speculative_tokens
         draft = DraftModel(config.draft_model, config, self.model_config.vocab_size, self.max_model_len) \
             if config.draft_model else None
+        if max_k:  # timed on the weights' final pages, with no background copy beside the passes
+            self.runner.settle()
+            if draft is not None:
+                draft.runner.settle()
         self.speculator = Speculator(max_k, StepCosts(calibrate(
             self.runner.model, self.runner.kv_pool, verify_rows(max_k), self.runner.device)), draft) \
             if max_k else None
