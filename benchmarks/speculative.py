@@ -132,7 +132,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         r = measure(plain, spec, name, text, params, args.repeats)
-        same = "" if r["same"] else "  OUTPUT DIFFERS"
+        same = "" if r["same"] else "  (output differs)"
         print(f"{name:<16}{r['plain_tok_s']:>12.1f}{r['ngram_tok_s']:>12.1f}{r['speedup']:>9.2f}x"
               f"{r['acceptance']:>10.0%}{r['mean_accepted']:>10.1f}{r['tokens']:>8}{same}")
 
