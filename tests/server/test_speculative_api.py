@@ -1,6 +1,7 @@
-"""Speculative decoding through the whole server in-process (tests/server/test_faults.py's App): a batch of
-completions, greedy, seeded, streamed, with log-probabilities and stop strings, answers what a server without
-speculation answers, every KV block comes back, and /metrics counts the proposed and accepted tokens."""
+"""Speculative decoding through the whole server in-process (tests/server/test_faults.py's App), by n-gram and by a
+draft model: a batch of completions, greedy, seeded, streamed, with log-probabilities and stop strings, answers what
+a server without speculation answers, every KV block comes back (the draft's too), and /metrics counts the proposed
+and accepted tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from nextoken.config import EngineConfig
 from nextoken.engine.engine import LLMEngine
@@ -41,6 +43,8 @@ def _serve(tiny_llama: Path, **options: Any) -> list[tuple[int, Any]] | tuple[li
     finally:
         asyncio.run(served.state.async_engine.shutdown(0))
     engine.block_manager.check_integrity(expected_refs={})
+    draft = engine.speculator.draft if engine.speculator is not None else None
+    assert draft is None or draft.blocks.num_used_blocks == 0
     return results, text
 
 
@@ -51,9 +55,11 @@ def _sample(text: str, name: str) -> float:
     return 0.0
 
 
-def test_speculation_answers_as_plain_decoding_and_is_counted(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculation_answers_as_plain_decoding_and_is_counted(tiny_llama: Path, proposer: str) -> None:
     plain, plain_metrics = _serve(tiny_llama)
-    spec, spec_metrics = _serve(tiny_llama, speculative="ngram", num_speculative_tokens=4)
+    speculative = "ngram" if proposer == "ngram" else f"draft:{tiny_llama}"
+    spec, spec_metrics = _serve(tiny_llama, speculative=speculative, num_speculative_tokens=4)
     for a, b in zip(plain, spec, strict=True):
         want, got = _text(a), _text(b)
         if isinstance(want, str):  # a stream's text
