@@ -76,8 +76,9 @@ class EngineConfig:
     # process-wide (torch.set_num_threads) when the engine is built.
     threads: int | None = None
     # Speculative decoding (engine/speculative.py): None (off) | "ngram" (prompt lookup over the sequence's own
-    # tokens) | "draft:MODEL" (a model sharing the vocabulary drafts, engine/draft.py). num_speculative_tokens: the
-    # most tokens proposed per sequence and step (k adapts below it, down to 0); None: DEFAULT_SPECULATIVE_TOKENS.
+    # tokens) | "draft:MODEL" (a model sharing the vocabulary drafts, engine/draft.py) | "self:L" (the model's first
+    # L layers, its final norm and head draft: early exit). num_speculative_tokens: the most tokens proposed per
+    # sequence and step (k adapts below it, down to 0); None: DEFAULT_SPECULATIVE_TOKENS.
     speculative: str | None = None
     num_speculative_tokens: int | None = None
 
@@ -86,6 +87,15 @@ class EngineConfig:
         """The draft model of speculative="draft:MODEL"."""
         spec = self.speculative
         return spec[len("draft:"):].strip() or None if spec is not None and spec.startswith("draft:") else None
+
+    @property
+    def self_draft_layers(self) -> int | None:
+        """L of speculative="self:L" (a positive whole number; checked against the model's layers when loaded)."""
+        spec = self.speculative
+        if not isinstance(spec, str) or not spec.startswith("self:"):
+            return None
+        layers = spec[len("self:"):]
+        return int(layers) if layers.isdigit() and int(layers) > 0 else None
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -119,9 +129,10 @@ class EngineConfig:
         need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")
         need(self.max_tokens_default >= 1, f"max_tokens_default={self.max_tokens_default}")
         need(self.speculative in SPECULATIVE_PROPOSERS
-             or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and self.draft_model),
+             or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and self.draft_model)
+             or self.self_draft_layers is not None,
              f"speculative={self.speculative!r} (ngram: prompt lookup over the sequence's own tokens; draft:MODEL: "
-             "a model sharing the vocabulary proposes)")
+             "a model sharing the vocabulary proposes; self:L: the model's first L layers and its head propose)")
         k = self.num_speculative_tokens
         need(k is None or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS),
              f"num_speculative_tokens={k!r} (a whole number from 1 to {MAX_SPECULATIVE_TOKENS})")

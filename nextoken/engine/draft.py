@@ -1,6 +1,7 @@
 """A draft model for speculative decoding: another model sharing the target's vocabulary (a smaller one, or the
-same one in a cheaper format: SmolLM2 in int4 drafting for SmolLM2 in fp32) proposes each sequence's next tokens
-greedily, from its own paged KV cache.
+same one in a cheaper format: SmolLM2 in int4 drafting for SmolLM2 in fp32), or the target's own first layers with
+its final norm and head (self-speculation, `EarlyExit`), proposes each sequence's next tokens greedily, from its own
+paged KV cache.
 
 Each target request being drafted has a shadow `Request` here whose tokens are the target's known tokens and then
 the draft's proposals; its `num_computed_tokens` counts what the draft's cache holds. Before each step the shadow is
@@ -16,9 +17,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+import torch
+
 from nextoken.cache.block_manager import BlockManager
+from nextoken.cache.kv_pool import KVPool, KVShape
 from nextoken.config import EngineConfig
-from nextoken.engine.batch import DecodeBatch
+from nextoken.engine.batch import DecodeBatch, ForwardBatch
 from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import argmax
@@ -31,21 +35,57 @@ from nextoken.sampling_params import SamplingParams
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
 
+class EarlyExit:
+    """Self-speculation's draft: the target's own first `num_layers` blocks, then its final norm and head (an early
+    exit), over a KV pool of their own; no second file. Run through the modules (the fused decoder covers every
+    block), with the runner's `execute` interface."""
+
+    def __init__(self, target: ModelRunner, num_layers: int) -> None:
+        self.model, self.device, self.block_size = target.model, target.device, target.block_size
+        self.num_blocks = target.num_blocks
+        shape = target.kv_shape
+        self.kv_pool = KVPool(KVShape(num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype), self.num_blocks,
+                              self.block_size, self.device)
+
+    def settle(self) -> None:
+        """Nothing to settle: the target's weights are its own."""
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
+        batch = ForwardBatch.build(scheduled, self.block_size, self.device)
+        # The model runs one block per cache it is given: these caches stop it after the first num_layers.
+        return batch, self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
+                                 batch.logits_indices, modules=True)
+
+
 class DraftModel:
-    def __init__(self, name: str, target: EngineConfig, target_vocab: int, max_model_len: int) -> None:
+    def __init__(self, runner: ModelRunner | EarlyExit) -> None:
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
+        self.shadows: dict[str, Request] = {}
+        self.step_seconds = 0.0  # a draft step's time, a moving average (the proposals' cost)
+
+    @classmethod
+    def load(cls, name: str, target: EngineConfig, target_vocab: int, max_model_len: int) -> DraftModel:
+        """Another model (`speculative="draft:NAME"`), in the default formats for the target's device."""
         gguf = open_model(resolve_model(name))
         config = ModelConfig.from_gguf(gguf)
         if config.vocab_size != target_vocab:
             raise NextokenError(f"draft model {name!r} has a vocabulary of {config.vocab_size} tokens, the target's "
                                 f"has {target_vocab}: a draft must share the target's vocabulary")
-        # The default formats for the draft's device (the fastest the kernels hold exactly), a pool of its own.
-        self.config = EngineConfig(model=name, device=target.device, block_size=target.block_size,
-                                   max_num_seqs=target.max_num_seqs, kv_cache_fraction=target.kv_cache_fraction,
-                                   threads=target.threads)
-        self.runner = ModelRunner(gguf, config, self.config, max_model_len)
-        self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, enable_prefix_caching=False)
-        self.shadows: dict[str, Request] = {}
-        self.step_seconds = 0.0  # a draft step's time at one row, a moving average (the proposals' cost)
+        draft = EngineConfig(model=name, device=target.device, block_size=target.block_size,
+                             max_num_seqs=target.max_num_seqs, kv_cache_fraction=target.kv_cache_fraction,
+                             threads=target.threads)
+        return cls(ModelRunner(gguf, config, draft, max_model_len))
+
+    @classmethod
+    def early_exit(cls, target: ModelRunner, num_layers: int) -> DraftModel:
+        """The target's first layers (`speculative="self:L"`)."""
+        total = target.model_config.num_layers
+        if not 1 <= num_layers < total:
+            raise NextokenError(f"speculative=self:{num_layers}: the draft's layers must be from 1 to {total - 1} "
+                                f"(the model has {total})")
+        return cls(EarlyExit(target, num_layers))
 
     def release(self, keep: set[str]) -> None:
         """Free the shadows of requests not in `keep`."""

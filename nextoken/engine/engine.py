@@ -116,8 +116,9 @@ class LLMEngine:
         self.sampler = Sampler()
         # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
         max_k = config.max_speculative_tokens
-        draft = DraftModel(config.draft_model, config, self.model_config.vocab_size, self.max_model_len) \
-            if config.draft_model else None
+        draft = DraftModel.load(config.draft_model, config, self.model_config.vocab_size, self.max_model_len) \
+            if config.draft_model else DraftModel.early_exit(self.runner, config.self_draft_layers) \
+            if config.self_draft_layers else None
         if max_k:  # timed on the weights' final pages, with no background copy beside the passes
             self.runner.settle()
             if draft is not None:

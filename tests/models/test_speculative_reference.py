@@ -1,7 +1,7 @@
 """Speculative decoding on the real models against the reference: 48-token greedy continuations of every reference
 prompt identical to transformers' (tests/data/reference), with n-gram proposals verified on every step they exist
 (not only where the adaptive k would verify them), the prompts batched together, in fp32 and the CPU's default
-formats; and with SmolLM2 in int4 drafting for SmolLM2 in fp32. Verifying passes run the proposals as extra rows (the block kernels to 11 rows, a GEMM from 12), so this
+formats; with SmolLM2 in int4 drafting for SmolLM2 in fp32; with SmolLM2's first 10 layers drafting (early exit). Verifying passes run the proposals as extra rows (the block kernels to 11 rows, a GEMM from 12), so this
 holds those paths' logits to the reference's greedy choice too."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from tests.conftest import REAL_MODELS, TEST_KV_BYTES, load_reference, needs_nat
 ROUTES = [pytest.param("smollm2", "float32", "ngram"),
           pytest.param("smollm2", "auto", "ngram", marks=needs_native),
           pytest.param("gemma3", "auto", "ngram", marks=needs_native),
-          pytest.param("smollm2", "float32", "draft:smollm2-135m-instruct", marks=needs_native)]
+          pytest.param("smollm2", "float32", "draft:smollm2-135m-instruct", marks=needs_native),
+          pytest.param("smollm2", "auto", "self:10", marks=needs_native)]
 
 
 @pytest.mark.parametrize(("model", "dtype", "speculative"), ROUTES)

@@ -208,6 +208,23 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama: Path, tiny_gemma
         _llm(tiny_llama, speculative=f"draft:{tiny_gemma}")
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.9, top_k=8, max_tokens=40, ignore_eos=True, seed=4, repetition_penalty=1.2),
+], ids=["greedy", "seeded"])
+def test_self_speculation_output_is_plain_output(tiny: Path, params: SamplingParams) -> None:
+    """The model's first layers, its final norm and head draft (early exit) over a cache of their own."""
+    spec = _forced(tiny, k=4, wrong=0.2, speculative="self:1")
+    assert _same_outputs(_llm(tiny), spec, params) > 0
+    draft = spec.engine.speculator.draft  # type: ignore[union-attr]
+    assert draft is not None and draft.blocks.num_used_blocks == 0
+
+
+def test_self_speculation_needs_fewer_layers_than_the_model(tiny_llama: Path) -> None:
+    with pytest.raises(NextokenError, match="from 1 to 1"):
+        _llm(tiny_llama, speculative="self:2")
+
+
 # --- the rejection rule -----------------------------------------------------------------------------------------
 
 
@@ -340,6 +357,8 @@ def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
     (dict(speculative="ngram", num_speculative_tokens=65), "num_speculative_tokens=65"),
     (dict(num_speculative_tokens=4), "speculative is not"),
     (dict(speculative="draft:"), "speculative='draft:'"),
+    (dict(speculative="self:0"), "speculative='self:0'"),
+    (dict(speculative="self:x"), "speculative='self:x'"),
 ])
 def test_bad_settings_name_the_field(options: dict, named: str) -> None:
     with pytest.raises(NextokenError, match=named.replace("(", r"\(")):
