@@ -63,7 +63,7 @@ class DraftModel:
         self.runner = runner
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Request] = {}
-        self.step_seconds = 0.0  # a draft step's time, a moving average (the proposals' cost)
+        self.step_seconds = 0.0  # a draft pass's time, a moving average (the proposals' cost); 0: not measured yet
 
     @classmethod
     def load(cls, name: str, target: EngineConfig, target_vocab: int, max_model_len: int) -> DraftModel:
@@ -136,7 +136,7 @@ class DraftModel:
             batch, logits = self.runner.execute([item for _, item in items])
             tokens = batch.argmax_ids if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None else \
                 argmax(logits[[row for row in batch.sample_rows if row is not None]])
-            if j and len(items) == 1:
+            if all(item.num_new_tokens == 1 for _, item in items):  # a decode pass (catch-up chunks are longer)
                 seconds = time.perf_counter() - start
                 self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds
             for (i, item), token in zip(items, tokens):

@@ -53,7 +53,8 @@ NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats to
 NGRAM_MAX = 6
 RUN_HISTORY = 16  # a sequence's latest runs that predict its next one
 DRAFT_DECAY = 0.9  # per verified step, the weight of a sequence's earlier draft acceptance
-PROBE_GAP = 16  # steps after which a sequence whose drafts do not pay drafts one token again
+PROBE_GAP = 16  # steps after which a sequence whose drafts do not pay drafts two tokens again...
+MAX_PROBE_GAP = 256  # ...doubling while those accept nothing, up to this
 MIN_GAIN = 1.1  # the expected speed-up over not speculating below which a sequence does not propose
 # Tokens of an unverified proposal checked against plain decoding: few, so that a run of copying is noticed soon
 SHADOW_TOKENS = 4
@@ -233,13 +234,14 @@ class SeqSpec:
     # the steps since the sequence last drafted.
     draft_accepted: float = 0.0
     draft_rejected: float = 0.0
-    steps_off: int = 0
+    steps_off: int = PROBE_GAP - 1  # a sequence's first decode step drafts: something to learn from
+    probe_gap: int = PROBE_GAP  # doubled after each probe that accepts nothing, up to MAX_PROBE_GAP
+    probing: bool = False
 
     def draft_expected(self, k: int) -> float:
         """Tokens a step verifying k drafted proposals is expected to yield, each accepted given those before it
-        with the sequence's estimated probability (starting from 0.8: a draft shares the target's vocabulary, and
-        usually its family)."""
-        a = (self.draft_accepted + 4.0) / (self.draft_accepted + self.draft_rejected + 5.0)
+        with the sequence's estimated probability (a Laplace estimate: 0.5 before any draft)."""
+        a = (self.draft_accepted + 1.0) / (self.draft_accepted + self.draft_rejected + 2.0)
         return sum(a ** i for i in range(k + 1))
 
     def expected_tokens(self, k: int) -> float:
@@ -250,6 +252,9 @@ class SeqSpec:
         return 1.0 + sum(min(n, k) for n in ahead) / len(ahead)
 
     def learn(self, num_proposed: int, num_accepted_: int) -> None:
+        if self.probing:
+            self.probe_gap = PROBE_GAP if num_accepted_ else min(2 * self.probe_gap, MAX_PROBE_GAP)
+            self.probing = False
         self.draft_accepted = DRAFT_DECAY * self.draft_accepted + num_accepted_
         self.draft_rejected = DRAFT_DECAY * self.draft_rejected + (1 if num_accepted_ < num_proposed else 0)
         self.run += num_accepted_
@@ -346,11 +351,12 @@ class Speculator:
 
     def _propose_drafts(self, decoding: list[Request], rows: int, max_model_len: int) -> None:
         """propose, with the draft model: each sequence's k chosen first (its proposals cost a draft step each),
-        then drafted together. A sequence off drafts one token every PROBE_GAP steps, to learn whether it should
-        be on again."""
+        then drafted together. A sequence off drafts two tokens now and then (at its first step, then every
+        `probe_gap` steps, a gap that doubles while they accept nothing), to learn whether it should be on."""
         assert self.draft is not None
         tokens, verifying, extra = float(len(decoding)), False, 0.0
-        per_token = self.draft.step_seconds
+        # Until a draft pass is measured, it is taken to cost what a target step does: drafting must prove itself.
+        per_token = self.draft.step_seconds or self.costs(1, verify=False)
         ks: list[int] = []
         for req in decoding:
             state = req.spec_state
@@ -361,8 +367,9 @@ class Speculator:
             if self.adaptive and k:
                 k, more = self.policy.choose(rows, tokens, state.draft_expected, room, verifying, per_token, extra)
                 state.steps_off = 0 if k else state.steps_off + 1
-                if state.steps_off >= PROBE_GAP:
-                    k, more, state.steps_off = 1, tokens + state.draft_expected(1) - 1.0, 0
+                if state.steps_off >= state.probe_gap:  # two tokens: the second's pass times a draft step
+                    k = min(2, room)
+                    more, state.steps_off, state.probing = tokens + state.draft_expected(k) - 1.0, 0, True
                 if k:
                     rows, tokens, verifying, extra = rows + k, more, True, extra + k * per_token
             ks.append(k)
