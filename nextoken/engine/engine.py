@@ -22,7 +22,6 @@ import torch
 from nextoken.cache.block_manager import BlockManager
 from nextoken.config import EngineConfig
 from nextoken.engine.batch import DecodeBatch
-from nextoken.engine.draft import DraftModel
 from nextoken.engine.beam import Beam, BeamGroup
 from nextoken.engine.inputs import InputProcessor, Limits
 from nextoken.engine.output import TextStream
@@ -30,7 +29,7 @@ from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
-from nextoken.engine.speculative import Speculator, StepCosts, calibrate, first_rows, sampling_rows, verify_rows
+from nextoken.engine.speculative import Speculator, first_rows, sampling_rows
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFDirectory
@@ -115,17 +114,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
         # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
-        max_k = config.max_speculative_tokens
-        draft = DraftModel.load(config.draft_model, config, self.model_config.vocab_size, self.max_model_len) \
-            if config.draft_model else DraftModel.early_exit(self.runner, config.self_draft_layers) \
-            if config.self_draft_layers else None
-        if max_k:  # timed on the weights' final pages, with no background copy beside the passes
-            self.runner.settle()
-            if draft is not None:
-                draft.runner.settle()
-        self.speculator = Speculator(max_k, StepCosts(calibrate(
-            self.runner.model, self.runner.kv_pool, verify_rows(max_k), self.runner.device)), draft) \
-            if max_k else None
+        self.speculator = Speculator.build(config, self.runner, self.max_model_len)
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by request id (engine/beam.py)

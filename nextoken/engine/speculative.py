@@ -36,18 +36,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from nextoken.cache.kv_pool import KVPool
+from nextoken.config import EngineConfig
+from nextoken.engine.draft import DraftModel
 from nextoken.engine.request import Request
+from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SamplingRow
 from nextoken.engine.scheduler import ScheduledRequest, Scheduler
 from nextoken.ops.attention import AttentionMetadata
-
-if TYPE_CHECKING:
-    from nextoken.engine.draft import DraftModel
 
 NGRAM_MIN = 2  # the shortest n-gram that may propose: a single token repeats too often to predict much
 NGRAM_MAX = 6
@@ -311,6 +310,25 @@ class Speculator:
         self.draft = draft  # proposals from a draft model (engine/draft.py), else prompt lookup
         # False: every proposal verified at its full length (up to K), whatever it costs (tests, measurements).
         self.adaptive = True
+
+    @classmethod
+    def build(cls, config: EngineConfig, runner: ModelRunner, max_model_len: int) -> Speculator | None:
+        """The engine's speculator, where `config.speculative` asks for one: its proposer (a draft model loaded, or
+        the target's first layers) and its step costs, timed on the weights' final pages (no background copy beside
+        the passes)."""
+        max_k = config.max_speculative_tokens
+        if not max_k:
+            return None
+        draft = None
+        if config.draft_model:
+            draft = DraftModel.load(config.draft_model, config, runner.model_config.vocab_size, max_model_len)
+        elif config.self_draft_layers:
+            draft = DraftModel.early_exit(runner, config.self_draft_layers)
+        runner.settle()
+        if draft is not None:
+            draft.runner.settle()
+        costs = calibrate(runner.model, runner.kv_pool, verify_rows(max_k), runner.device)
+        return cls(max_k, StepCosts(costs), draft)
 
     def propose(self, requests: Sequence[Request], max_model_len: int) -> None:
         """Set `spec_ids` of each running request that decodes next (every known token but the last computed).
