@@ -56,10 +56,24 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for the kernels (default: one per physical core)")
 
 
+def add_speculative(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's options (run, chat, serve)."""
+    p.add_argument("--speculative", default=None, metavar="PROPOSER",
+                   help="speculative decoding: ngram (tokens proposed by prompt lookup over the sequence's own "
+                        "tokens), draft:MODEL (by a model sharing the vocabulary, e.g. the same one in int4 for "
+                        "an fp32 target) or self:L (by the model's first L layers and its head), verified in one "
+                        "pass; the output is unchanged, k adapts to what pays")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="with --speculative: the most tokens proposed per step (1-64; default 24)")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"dtype": args.dtype, "weights": args.weights, "kv_dtype": args.kv_dtype, "lm_head": args.lm_head,
-            "activations": args.activations,
-            "device": args.device, "cuda_graphs": not args.enforce_eager, "threads": args.threads}
+    options = {"dtype": args.dtype, "weights": args.weights, "kv_dtype": args.kv_dtype, "lm_head": args.lm_head,
+               "activations": args.activations,
+               "device": args.device, "cuda_graphs": not args.enforce_eager, "threads": args.threads}
+    if hasattr(args, "speculative"):  # the commands that take add_speculative's options
+        options.update(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    return options
 
 
 def add_sampling(p: argparse.ArgumentParser) -> None:

@@ -30,6 +30,13 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+SPECULATIVE_PROPOSERS = (None, "ngram")
+MAX_SPECULATIVE_TOKENS = 64
+# On CPUs a pass of 12 or more rows runs as a GEMM whose cost per row falls with the rows (ops/quant_linear.py), so
+# long proposals are where speculation pays there; k adapts below this.
+DEFAULT_SPECULATIVE_TOKENS = 24
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs a model. Validated on construction; every field is a user-facing setting."""
@@ -68,6 +75,34 @@ class EngineConfig:
     # CPU threads for the kernels (torch's and nextoken's own); None: torch's default, one per physical core. Set
     # process-wide (torch.set_num_threads) when the engine is built.
     threads: int | None = None
+    # Speculative decoding (engine/speculative.py): None (off) | "ngram" (prompt lookup over the sequence's own
+    # tokens) | "draft:MODEL" (a model sharing the vocabulary drafts, engine/draft.py) | "self:L" (the model's first
+    # L layers, its final norm and head draft: early exit). num_speculative_tokens: the most tokens proposed per
+    # sequence and step (k adapts below it, down to 0); None: DEFAULT_SPECULATIVE_TOKENS.
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft model of speculative="draft:MODEL"."""
+        spec = self.speculative
+        return spec[len("draft:"):].strip() or None if spec is not None and spec.startswith("draft:") else None
+
+    @property
+    def self_draft_layers(self) -> int | None:
+        """L of speculative="self:L" (a positive whole number; checked against the model's layers when loaded)."""
+        spec = self.speculative
+        if not isinstance(spec, str) or not spec.startswith("self:"):
+            return None
+        layers = spec[len("self:"):]
+        return int(layers) if layers.isdigit() and int(layers) > 0 else None
+
+    @property
+    def max_speculative_tokens(self) -> int:
+        """K: the most tokens a sequence may propose per step (0 without speculation)."""
+        if self.speculative is None:
+            return 0
+        return DEFAULT_SPECULATIVE_TOKENS if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     def __post_init__(self) -> None:
         from nextoken.errors import NextokenError
@@ -93,5 +128,14 @@ class EngineConfig:
              f"max_num_batched_tokens={self.max_num_batched_tokens} (at least one block)")
         need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")
         need(self.max_tokens_default >= 1, f"max_tokens_default={self.max_tokens_default}")
+        need(self.speculative in SPECULATIVE_PROPOSERS
+             or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and self.draft_model)
+             or self.self_draft_layers is not None,
+             f"speculative={self.speculative!r} (ngram: prompt lookup over the sequence's own tokens; draft:MODEL: "
+             "a model sharing the vocabulary proposes; self:L: the model's first L layers and its head propose)")
+        k = self.num_speculative_tokens
+        need(k is None or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS),
+             f"num_speculative_tokens={k!r} (a whole number from 1 to {MAX_SPECULATIVE_TOKENS})")
+        need(k is None or self.speculative is not None, "num_speculative_tokens is set but speculative is not")
         need(self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
                                       and self.threads >= 1), f"threads={self.threads!r} (a whole number, at least 1)")

@@ -57,7 +57,8 @@ def teacher_forced(llm: LLM, ids: list[int]) -> tuple[torch.Tensor, list[torch.T
     """(logits [n, vocab], [embedding output, then each block's output] [n, hidden]) over `ids`, on the modules."""
     model = llm.engine.runner.model
     hidden: list[torch.Tensor] = []
-    hooks = [model.layers[0].register_forward_pre_hook(lambda _m, args: hidden.append(args[0].detach().float().clone()))]
+    hooks = [model.layers[0].register_forward_pre_hook(
+        lambda _m, args: hidden.append(args[0].detach().float().clone()))]
     hooks += [layer.register_forward_hook(lambda _m, _a, out: hidden.append(out.detach().float().clone()))
               for layer in model.layers]
     try:

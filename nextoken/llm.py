@@ -74,7 +74,8 @@ class GenerationOutput:
 
 
 def request_timings(req: Request) -> dict[str, float | None]:
-    """Time to first token, prefill and decode rates of a finished request (seconds, tokens/s)."""
+    """Time to first token, prefill and decode rates of a finished request (seconds, tokens/s), and its
+    speculative decoding counts."""
     t = req.timings
     ttft = t.first_token - t.arrival if t.first_token is not None else None
     prefill_s = t.first_token - t.first_scheduled if t.first_token and t.first_scheduled else None
@@ -87,6 +88,10 @@ def request_timings(req: Request) -> dict[str, float | None]:
         "decode_tokens_per_s": num_decode / decode_s if decode_s and num_decode > 0 else None,
         "total_s": t.finished - t.arrival if t.finished else None,
         "cached_prompt_tokens": t.num_cached_prompt_tokens,
+        # Speculative decoding: tokens proposed and accepted, and accepted per verifying step.
+        "spec_proposed_tokens": t.num_spec_proposed,
+        "spec_accepted_tokens": t.num_spec_accepted,
+        "spec_mean_accepted": t.num_spec_accepted / t.num_spec_steps if t.num_spec_steps else None,
     }
 
 

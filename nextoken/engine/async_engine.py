@@ -304,7 +304,8 @@ class AsyncEngine:
         """One step as /debug/engine shows it: what ran, who runs and waits, the blocks each holds."""
         engine, scheduler = self.engine, self.engine.scheduler
         return {"step": self._num_steps, "seconds": round(seconds, 6),
-                "ran": [{"request": rid, "first": first, "tokens": count} for rid, first, count in engine.last_schedule],
+                "ran": [{"request": rid, "first": first, "tokens": count}
+                        for rid, first, count in engine.last_schedule],
                 "running": [{"request": r.request_id, "computed": r.num_computed_tokens, "tokens": r.num_tokens,
                              "prompt_tokens": r.num_prompt_tokens, "blocks": list(r.block_table)}
                             for r in scheduler.running],

@@ -3,7 +3,9 @@
 Tokens of all scheduled requests are laid back to back. `logits_indices` keeps only the rows whose logits are used:
 the last token of every chunk that samples, and every token of a prompt whose prompt log-probabilities were asked
 for. `sample_rows[i]` is the position in the logits of request i's sampling row (None if it does not sample);
-`prompt_logprob_rows[i]` the (first row, count, first position) of its prompt positions.
+`prompt_logprob_rows[i]` the (first row, count, first position) of its prompt positions. A chunk's proposed tokens
+(speculative decoding) follow its known ones, and each has a row after its sampling row: 1 + len(spec_ids) rows in
+order, the distributions after the last known token and after each proposal.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ class ForwardBatch:
         for item in scheduled:
             req = item.request
             start = req.num_computed_tokens
-            end = start + item.num_new_tokens
+            end = start + item.num_new_tokens + len(item.spec_ids)
             offset = len(input_ids)
-            input_ids.extend(req.all_ids[start:end])
+            input_ids.extend(req.all_ids[start:start + item.num_new_tokens])
+            input_ids.extend(item.spec_ids)
             positions.extend(range(start, end))
             table = req.block_table
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
@@ -56,7 +59,7 @@ class ForwardBatch:
                 prompt_rows.append(None)
             if item.samples:
                 sample_rows.append(len(logits_indices))
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - 1 - len(item.spec_ids), len(input_ids)))
             else:
                 sample_rows.append(None)
         tables = [item.request.block_table for item in scheduled]
@@ -116,7 +119,7 @@ class DecodeBatch:
         for item in scheduled:
             req = item.request
             p = req.num_computed_tokens
-            if item.num_new_tokens != 1 or not item.samples or (req.params.prompt_logprobs is not None
+            if item.num_new_tokens != 1 or not item.samples or item.spec_ids or (req.params.prompt_logprobs is not None
                                                                and p < req.num_prompt_tokens):
                 return None
             table = req.block_table

@@ -29,6 +29,7 @@ from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
 from nextoken.engine.scheduler import Scheduler
+from nextoken.engine.speculative import Speculator, first_rows, sampling_rows
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFDirectory
@@ -113,6 +114,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
+        # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
+        self.speculator = Speculator.build(config, self.runner, self.max_model_len)
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by request id (engine/beam.py)
@@ -190,6 +193,8 @@ class LLMEngine:
                 return True
         self.scheduler.finish(live.request, "abort")
         self._release_followers(request_id)
+        if self.speculator is not None:
+            self.speculator.release(self.scheduler.running)
         return True
 
     def _release_followers(self, request_id: str) -> None:
@@ -242,31 +247,41 @@ class LLMEngine:
     # --- the loop --------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:  # proposals for the scheduler to fit in (beams and grammars never propose)
+            self.speculator.propose([r for r in self.scheduler.running if r.request_id in self._live
+                                     and r.grammar is None], self.max_model_len)
         scheduled = self.scheduler.schedule()
         # What this step runs, for observers (the server's /debug/engine): (request id, first position, tokens).
-        self.last_schedule = [(i.request.request_id, i.request.num_computed_tokens, i.num_new_tokens)
-                              for i in scheduled]
+        self.last_schedule = [(i.request.request_id, i.request.num_computed_tokens,
+                               i.num_new_tokens + len(i.spec_ids)) for i in scheduled]
+        if self.speculator is not None:
+            for req in self.scheduler.running:
+                req.spec_ids = []  # taken into this step's chunks, or dropped
         if not scheduled:
             return []
+        started = time.perf_counter()
         batch, logits = self.runner.execute(scheduled)
         sampling = [(i, row) for i, row in enumerate(batch.sample_rows) if row is not None]
         result: SampleResult | None = None
         failed: set[int] = set()
+        saved: dict[int, torch.Tensor] = {}  # seeded generators' states before verifying rows drew (by item)
         if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None:  # as the sampler allowed (argmax_only)
             result = Sampler.from_argmax(batch.argmax_ids)
         elif sampling:
-            rows = [SamplingRow(scheduled[i].request.params, scheduled[i].request.generator,
-                                scheduled[i].request.prompt_ids, scheduled[i].request.output_ids,
-                                scheduled[i].request.stop_ids, scheduled[i].request.grammar)
-                    for i, _ in sampling]
-            result, failed = self._sample(take_rows(logits, [r for _, r in sampling]), rows)
-        token_for = {i: k for k, (i, _) in enumerate(sampling)}
+            rows, picked, saved = sampling_rows(scheduled, sampling)  # one more per proposal (speculative.py)
+            result, failed = self._sample(take_rows(logits, picked), rows)
+        token_for = first_rows(scheduled, sampling)  # item -> its first row in the result
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
         stepped: list[BeamGroup] = []
         for i, item in enumerate(scheduled):
             req = item.request
-            self.scheduler.advance(item)
+            kept: list[int] = []  # with proposals: the tokens this step yields (accepted ones, then one sampled)
+            if item.spec_ids and self.speculator is not None and result is not None:
+                kept = self.speculator.verify(item, result.token_ids, token_for[i], failed, saved.get(i),
+                                              self.scheduler)
+            else:
+                self.scheduler.advance(item)
             if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:
                 self._share_prompt(req)
             live = self._live.get(req.request_id)
@@ -293,18 +308,41 @@ class LLMEngine:
             if i not in token_for or result is None:
                 continue
             k = token_for[i]
-            if k in failed:
+            if k in failed or (item.spec_ids and not kept):
                 outputs.append(self._fail(live))
                 continue
             try:
-                outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
+                if kept:
+                    outputs.append(self._accept_run(live, kept, result.logprobs[k:k + len(kept)], now))
+                else:
+                    outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
             except Exception as exc:  # one request's detokenization or stop check must not take the batch down
                 log.error("request %s failed: %s", req.request_id, type(exc).__name__)
                 outputs.append(self._fail(live))
         for group in stepped:
             if group.ready():
                 outputs.extend(self._advance_beams(group))
+        if self.speculator is not None:
+            if all(item.num_new_tokens == 1 for item in scheduled):
+                self.speculator.observe(sum(1 + len(item.spec_ids) for item in scheduled),
+                                        time.perf_counter() - started, any(item.spec_ids for item in scheduled))
+            self.speculator.release(self.scheduler.running)
         return outputs
+
+    def _accept_run(self, live: _Live, token_ids: list[int], logprobs: list, now: float) -> RequestOutput:
+        """A verified step's tokens accepted in order, as one output; an end token, stop string or max_tokens
+        among them ends the request there and the tokens after it are dropped."""
+        out = self._accept(live, token_ids[0], logprobs[0], now)
+        for token_id, logprob in zip(token_ids[1:], logprobs[1:]):
+            if out.finished:
+                break
+            more = self._accept(live, token_id, logprob, now)
+            out.new_token_ids += more.new_token_ids
+            out.new_text += more.new_text
+            out.new_logprobs += more.new_logprobs
+            out.finished, out.finish_reason, out.num_output_tokens = more.finished, more.finish_reason, \
+                more.num_output_tokens
+        return out
 
     def _advance_beams(self, group: BeamGroup) -> list[RequestOutput]:
         """A beam search's step, once every live beam has its candidates; its result when it ends."""

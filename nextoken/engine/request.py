@@ -2,7 +2,9 @@
 
 One counter drives everything: `num_computed_tokens` catches up to `num_tokens` (prompt + generated). A prompt is
 computed in one or more chunks; a prefix-cache hit advances the counter without compute; preemption resets it to 0.
-A token is sampled whenever a step brings the counter level with `num_tokens`.
+A token is sampled whenever a step brings the counter level with `num_tokens`. Speculative decoding
+(engine/speculative.py) computes proposed tokens past `num_tokens` in the same step; the counter counts them and
+takes back the rejected ones (Scheduler.advance).
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class Timings:
     first_token: float | None = None
     finished: float | None = None
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    # Speculative decoding: tokens proposed and accepted, and the steps that verified proposals.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    num_spec_steps: int = 0
 
 
 class Request:
@@ -59,6 +65,10 @@ class Request:
         self.prompt_token_logprobs: list[tuple[float, int] | None] = []
         self.beams: list[Any] | None = None  # a finished beam search's best hypotheses (engine/beam.py)
         self.grammar: Any = None  # structured output's GrammarMatcher (engine/grammar.py), advanced per token
+        # Speculative decoding: the tokens proposed to follow all_ids, to be verified in the next step, and the
+        # proposer's own state for this sequence (engine/speculative.py).
+        self.spec_ids: list[int] = []
+        self.spec_state: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,8 @@ the most recently arrived running request is preempted: its blocks are freed and
 prefix blocks often survive in the prefix cache). While anything was preempted this step, nothing new is admitted.
 Without chunked prefill a waiting request is admitted only when its whole prompt fits in the step, except one that
 could never fit in any step's budget: that one is still chunked, rather than blocking the queue forever.
+A running request's proposed tokens (`Request.spec_ids`, engine/speculative.py) ride on its last chunk when budget
+and free blocks allow, never at the cost of a preemption; `advance` takes the rejected ones back.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from nextoken.engine.request import Request, RequestStatus
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # known tokens (prompt and output) computed in this chunk
+    # Proposed tokens computed after them (speculative decoding), each with its logits row to verify it.
+    spec_ids: list[int] = field(default_factory=list)
     # True when this chunk reaches the end of the known tokens, so a new token is drawn after it. Fixed when the
     # chunk is scheduled: `advance` moves num_computed_tokens on, and must not change what this chunk was.
     samples: bool = field(init=False)
@@ -62,6 +66,15 @@ class Scheduler:
                 i += 1
                 continue
             need = self.bm.blocks_needed(req.num_computed_tokens + num_new) - len(req.block_table)
+            spec: list[int] = []
+            if req.spec_ids and num_new == req.num_tokens - req.num_computed_tokens:
+                # Proposals only where their blocks are free now: speculation never preempts anyone.
+                spec = req.spec_ids[:budget - num_new]
+                spec_need = self.bm.blocks_needed(req.num_computed_tokens + num_new + len(spec)) - len(req.block_table)
+                if spec_need <= self.bm.num_free_blocks:
+                    need = spec_need
+                else:
+                    spec = []
             while need > self.bm.num_free_blocks:
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -74,8 +87,8 @@ class Scheduler:
                 blocks = self.bm.allocate(need)
                 assert blocks is not None
                 req.block_table.extend(blocks)
-            scheduled.append(ScheduledRequest(req, num_new))
-            budget -= num_new
+            scheduled.append(ScheduledRequest(req, num_new, spec))
+            budget -= num_new + len(spec)
             i += 1
 
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
@@ -111,6 +124,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.bm.free(req.block_table)
+        req.spec_ids = []
         req.block_table = []
         req.num_computed_tokens = 0
         req.num_cached_blocks = 0
@@ -119,14 +133,28 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def advance(self, item: ScheduledRequest) -> None:
-        """Record that a scheduled chunk was computed; register newly full blocks in the prefix cache."""
+    def advance(self, item: ScheduledRequest, num_rejected: int = 0) -> None:
+        """Record that a scheduled chunk was computed; register newly full blocks in the prefix cache.
+
+        A chunk's proposed tokens were computed too, but only the first len(spec_ids) - num_rejected of them were
+        accepted: the counter takes the rejected ones back (their KV slots are overwritten by the next tokens
+        computed there) and whole blocks past the kept tokens go back to the pool, as after any other step. Accepted
+        proposals are the request's next tokens; they are registered here before the engine appends them.
+        """
         req = item.request
-        req.num_computed_tokens += item.num_new_tokens
+        assert 0 <= num_rejected <= len(item.spec_ids)
+        num_accepted = len(item.spec_ids) - num_rejected
+        req.num_computed_tokens += item.num_new_tokens + len(item.spec_ids) - num_rejected
         num_full = req.num_computed_tokens // self.bm.block_size
         if num_full > req.num_cached_blocks:
-            self.bm.cache_full_blocks(req.block_table, req.all_ids, req.num_cached_blocks, num_full)
+            ids = req.all_ids + item.spec_ids[:num_accepted] if num_accepted else req.all_ids
+            self.bm.cache_full_blocks(req.block_table, ids, req.num_cached_blocks, num_full)
             req.num_cached_blocks = num_full
+        if item.spec_ids:
+            keep = self.bm.blocks_needed(req.num_computed_tokens)
+            if len(req.block_table) > keep:
+                self.bm.free(req.block_table[keep:])
+                del req.block_table[keep:]
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is (running or waiting) and give its blocks back at once."""

@@ -14,8 +14,9 @@ roles).
 
 `tool_choice`: "none" leaves the tools out of the prompt and the output is content; "auto" lets the model choose
 and parses what it wrote; "required" and a named function constrain the output with a grammar (engine/grammar.py)
-to calls: one of the named function; one or more for "required" (one, without parallel_tool_calls), each an object whose "name" is a function's and whose
-"arguments" match that function's parameters schema, so the arguments always parse and validate.
+to calls: one of the named function; one or more for "required" (one, without parallel_tool_calls), each an object
+whose "name" is a function's and whose "arguments" match that function's parameters schema, so the arguments always
+parse and validate.
 `ToolCallParser` turns generated text into content and calls as it streams, holding back only what may still become
 a <tool_call> tag.
 """
@@ -169,8 +170,7 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]], setup: ToolSetup | N
                 out.append({"role": "user", "tool_results": [reply]})
             continue
         if role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(f'{OPEN}\n{json.dumps({"name": c["function"]["name"], "arguments": _as_object(c["function"]["arguments"])})}\n{CLOSE}'  # noqa: E501
-                              for c in m["tool_calls"])
+            calls = "\n".join(f"{OPEN}\n{_call_json(c)}\n{CLOSE}" for c in m["tool_calls"])
             text = f"{text}\n{calls}" if text else calls
         out.append({"role": role, "content": text})
     for m in out:
@@ -183,6 +183,11 @@ def prepare_messages(messages: Sequence[Mapping[str, Any]], setup: ToolSetup | N
         else:
             out.insert(0, {"role": "system", "content": described})
     return out, {}
+
+
+def _call_json(call: Mapping[str, Any]) -> str:
+    """An assistant's earlier call as the convention writes it: {"name": ..., "arguments": {...}}."""
+    return json.dumps({"name": call["function"]["name"], "arguments": _as_object(call["function"]["arguments"])})
 
 
 def _as_object(arguments: Any) -> Any:

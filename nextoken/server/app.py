@@ -262,3 +262,6 @@ def _record(state: ServerState, job: Job, choices: Choices, index: int, out: Req
         metrics.ttft.observe(choice.first_token_at - job.arrival)
     if out.finished and choice.num_tokens > 1 and choice.first_token_at is not None:
         metrics.tpot.observe((time.perf_counter() - choice.first_token_at) / (choice.num_tokens - 1))
+    if out.finished and out.request is not None:
+        t = out.request.timings
+        metrics.count_speculation(t.num_spec_proposed, t.num_spec_accepted, t.num_spec_steps)

@@ -4,7 +4,8 @@ Counters: HTTP requests by route and status code, prompt and generated tokens; f
 requests ended by finish reason (stop, length, abort, error) and preemptions. Histograms: time to first token and
 time per output token. Gauges (set from the engine thread's latest snapshot when scraped): running and waiting
 requests, KV blocks in use and in total. Routes outside the API are counted as "other", so a scan of random paths
-cannot grow the label set.
+cannot grow the label set. Speculative decoding, per finished choice: tokens proposed and accepted (counters) and
+the mean accepted per verifying step (a histogram).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ ROUTES = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions", "/t
                     "/metrics"})
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_ACCEPTED_BUCKETS = (0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 class ServerMetrics:
@@ -41,7 +43,21 @@ class ServerMetrics:
                                 registry=r)
         self.preemptions = Counter("nextoken_preemptions", "Running requests preempted (to be recomputed) for KV room",
                                    registry=r)
+        self.spec_proposed = Counter("nextoken_spec_proposed_tokens", "Tokens proposed by speculative decoding",
+                                     registry=r)
+        self.spec_accepted = Counter("nextoken_spec_accepted_tokens",
+                                     "Proposed tokens accepted by verification", registry=r)
+        self.spec_mean_accepted = Histogram("nextoken_spec_mean_accepted_length",
+                                            "Per finished choice that speculated, tokens accepted per verifying step",
+                                            buckets=_ACCEPTED_BUCKETS, registry=r)
         self._seen = EngineStats()  # the snapshot the engine counters were last brought up to
+
+    def count_speculation(self, num_proposed: int, num_accepted: int, num_steps: int) -> None:
+        """A finished choice's speculative decoding (Request.timings), where it verified proposals."""
+        if num_steps:
+            self.spec_proposed.inc(num_proposed)
+            self.spec_accepted.inc(num_accepted)
+            self.spec_mean_accepted.observe(num_accepted / num_steps)
 
     def count_request(self, path: str, status: int) -> None:
         self.requests.labels(path if path in ROUTES else "other", str(status)).inc()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, latency, profile_decode, roofline, sampling, throughput
+from benchmarks import common, latency, profile_decode, roofline, sampling, speculative, throughput
 from benchmarks.common import TransformersWorker
 from nextoken import LLM
 from tests.conftest import REAL_MODELS
@@ -38,6 +38,14 @@ def test_latency_times_prefill_and_decode(llm: LLM) -> None:
     m = latency.measure(llm, repeats=1, prompt_len=48, decode_len=4)
     assert set(m) == {"prefill_tok_s", "decode_tok_s", "decode_empty_tok_s", "ttft_s"}
     assert all(v > 0 for v in m.values())
+
+
+def test_speculative_compares_both_engines(llm: LLM) -> None:
+    spec = LLM(REAL_MODELS[MODEL], device="cpu", kv_cache_bytes=64 << 20, speculative="ngram")
+    name, text, params = speculative.cases(12)[0]
+    r = speculative.measure(llm, spec, name, text, params, repeats=1)
+    assert r["same"] and r["tokens"] > 0 and r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0
+    assert 0 <= r["acceptance"] <= 1 and "CPUs" in speculative.cpu_name()
 
 
 def test_profile_decode_tables_one_batched_step() -> None:

@@ -71,6 +71,15 @@ def test_run_json_answers_and_reports() -> None:
     assert data["timings"]["time_to_first_token_s"] > 0
 
 
+def test_run_json_reports_speculation() -> None:
+    out = nextoken("run", "--json", "--speculative", "ngram", "--max-tokens", "48",
+                   "Repeat this list exactly: 1. red 2. blue 3. green 4. yellow 5. black 6. white")
+    assert out.returncode == 0, out.stderr
+    timings = json.loads(out.stdout)["timings"]
+    assert timings["spec_proposed_tokens"] >= timings["spec_accepted_tokens"] >= 0
+    assert set(timings) >= {"spec_proposed_tokens", "spec_accepted_tokens", "spec_mean_accepted"}
+
+
 @pytest.mark.parametrize("formats", [["--weights", "int8", "--kv-dtype", "int8"],
                                      ["--weights", "int4", "--kv-dtype", "bf16", "--lm-head", "fp32"]])
 def test_run_with_narrow_formats_still_answers(formats: list[str]) -> None:
@@ -117,6 +126,9 @@ def test_run_streams_from_stdin_with_tiny_model(tiny_llama: Path) -> None:
     (["run", "--activations", "int4", "hi"], "argument --activations: invalid choice: 'int4'"),
     (["run", "--weights", "bf16", "--activations", "int8", "hi"], "activations=int8 applies to block weights"),
     (["run", "--threads", "many", "hi"], "argument --threads/-t: invalid int value: 'many'"),
+    (["run", "--speculative", "medusa", "hi"], "invalid engine setting: speculative='medusa'"),
+    (["run", "--speculative", "ngram", "--num-speculative-tokens", "0", "hi"], "num_speculative_tokens=0"),
+    (["chat", "--num-speculative-tokens", "4"], "num_speculative_tokens is set but speculative is not"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     out = nextoken(*args)

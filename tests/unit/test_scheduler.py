@@ -6,7 +6,10 @@ Small pools force preemption, small token budgets force chunked prefill, prompts
 prefix hits. Checked at every step: block references equal what live requests' block tables hold; a request only
 ever writes into blocks nobody else holds; every slot a request attends over holds KV of its own tokens; the token
 budget and max_num_seqs hold; a step with unfinished requests schedules something; all requests finish within a
-bound on the number of steps, leaving every block free.
+bound on the number of steps, leaving every block free. With speculation (SpeculativeSchedulerMachine), running
+requests propose random continuations, some of them the fake model's own: the proposals' KV is written past the
+known tokens, the rejected ones are taken back through `advance`, and the same checks hold (rejected slots are never
+attended over, blocks past the kept tokens go back).
 """
 
 from __future__ import annotations
@@ -72,10 +75,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         num_unfinished = sched.num_unfinished
         num_preemptions = sched.num_preemptions
         was_running = {id(req) for req in sched.running}
+        self._propose()
         items = sched.schedule()
+        for req in sched.running:
+            req.spec_ids = []
         if sched.num_preemptions > num_preemptions:
             seen["preemption"] += 1
-        assert sum(item.num_new_tokens for item in items) <= self.budget, "token budget exceeded"
+        assert sum(item.num_new_tokens + len(item.spec_ids) for item in items) <= self.budget, "token budget exceeded"
         assert len(sched.running) <= sched.max_num_seqs and len(items) <= sched.max_num_seqs
         assert len({id(item.request) for item in items}) == len(items), "a request scheduled twice in a step"
         assert items or not num_unfinished, f"nothing scheduled with {num_unfinished} requests unfinished"
@@ -84,7 +90,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             start, end = req.num_computed_tokens, req.num_computed_tokens + item.num_new_tokens
             assert req.status is RequestStatus.RUNNING and req in sched.running
             assert 1 <= item.num_new_tokens and end <= req.num_tokens
-            assert len(req.block_table) * bs >= end, "block table too short for the chunk"
+            assert not item.spec_ids or item.samples, "proposals on a chunk that does not reach the end"
+            assert len(req.block_table) * bs >= end + len(item.spec_ids), "block table too short for the chunk"
             if end < req.num_prompt_tokens:
                 seen["chunked prefill"] += 1
             if start and id(req) not in was_running:
@@ -93,22 +100,37 @@ class SchedulerMachine(RuleBasedStateMachine):
             for pos in range(start):
                 assert self.kv.get(self._slot(req, pos)) == tuple(req.all_ids[:pos + 1]), \
                     f"{req.request_id} position {pos}: slot holds KV of other tokens"
-            for idx in range(start // bs, -(-end // bs)):
+            for idx in range(start // bs, -(-(end + len(item.spec_ids)) // bs)):
                 block = req.block_table[idx]
                 assert bm.blocks[block].ref_count == 1, f"{req.request_id} writes into shared block {block}"
         for item in items:  # the forward pass: every chunk's KV is written before any token is sampled
             req = item.request
-            for pos in range(req.num_computed_tokens, req.num_computed_tokens + item.num_new_tokens):
-                self.kv[self._slot(req, pos)] = tuple(req.all_ids[:pos + 1])
+            ids = req.all_ids + item.spec_ids
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + item.num_new_tokens
+                             + len(item.spec_ids)):
+                self.kv[self._slot(req, pos)] = tuple(ids[:pos + 1])
         for item in items:
             req = item.request
-            sched.advance(item)
-            if item.samples:
-                req.append_token(fake_token(req.all_ids))
+            # Verification: the fake model's tokens after the known ones and after each proposal; the proposals
+            # are kept while they agree, then one more token.
+            kept = [fake_token(req.all_ids)] if item.samples else []
+            for spec_id in item.spec_ids:
+                if spec_id != kept[-1]:
+                    break
+                kept.append(fake_token(req.all_ids + kept))
+            sched.advance(item, len(item.spec_ids) + 1 - len(kept) if item.spec_ids else 0)
+            if item.spec_ids:
+                seen["accepted" if len(kept) > 1 else "rejected"] += 1
+            for token in kept:
+                req.append_token(token)
                 if len(req.output_ids) >= req.params.max_tokens:
                     sched.finish(req, "length")
                     self.finished.append(self.live.pop(req.request_id))
+                    break
         return items
+
+    def _propose(self) -> None:
+        """Proposals for the running requests about to decode (none here: see SpeculativeSchedulerMachine)."""
 
     # --- rules -----------------------------------------------------------------------------------------------
 
@@ -188,10 +210,38 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == self.bm.num_blocks
 
 
+class SpeculativeSchedulerMachine(SchedulerMachine):
+    """The same, with proposals: each running request about to decode proposes up to 4 tokens (as the engine's
+    proposer, never more than max_tokens leaves room for), the fake model's continuation with a random token
+    swapped in at a random place, or none."""
+
+    @initialize(seed=st.integers(0, 2**16))
+    def seed_proposals(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def _propose(self) -> None:
+        for req in self.sched.running:
+            room = min(4, req.params.max_tokens - len(req.output_ids) - 1)
+            if req.num_computed_tokens != req.num_tokens - 1 or room <= 0:
+                continue
+            proposal: list[int] = []
+            for _ in range(self.rng.randint(0, room)):
+                proposal.append(fake_token(req.all_ids + proposal))
+            if proposal and self.rng.random() < 0.5:
+                proposal[self.rng.randrange(len(proposal))] = self.rng.randrange(3)
+            req.spec_ids = proposal
+
+
 def test_random_add_step_abort_sequences() -> None:
     seen.clear()
     run_state_machine_as_test(SchedulerMachine, settings=SETTINGS)
     assert seen["preemption"] and seen["chunked prefill"] and seen["prefix hit"], dict(seen)
+
+
+def test_random_sequences_with_speculation_leak_nothing() -> None:
+    seen.clear()
+    run_state_machine_as_test(SpeculativeSchedulerMachine, settings=SETTINGS)
+    assert seen["preemption"] and seen["prefix hit"] and seen["accepted"] and seen["rejected"], dict(seen)
 
 
 # --- fixed cases -----------------------------------------------------------------------------------------------
