@@ -196,3 +196,15 @@ def test_the_native_mask_fill_equals_the_bits_expanded(vocab: int) -> None:
             if j >= 32 * words or not (int(bits[k, j // 32]) >> (j % 32)) & 1:
                 expected[r, j] = float("-inf")
     assert got.equal(expected)
+
+
+def test_speculation_leaves_a_grammar_request_to_plain_decoding(tiny_llama: Path) -> None:
+    spec = LLM(str(tiny_llama), weights="fp32", device="cpu", kv_cache_bytes=32 << 20, speculative="ngram",
+               num_speculative_tokens=4)
+    params = SamplingParams(temperature=1.0, max_tokens=160, seed=11, n=6, structured_outputs=StructuredOutputs(
+        json=ITEMS))
+    plain = LLM(str(tiny_llama), weights="fp32", device="cpu", kv_cache_bytes=32 << 20)
+    ours = [o.text for o in spec.generate("x", params, use_tqdm=False)[0].outputs]
+    assert ours == [o.text for o in plain.generate("x", params, use_tqdm=False)[0].outputs]
+    for text in ours:
+        jsonschema.validate(json.loads(text), ITEMS)
