@@ -232,6 +232,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
     llm = LLM(model, **engine_settings(bundle))
     result = llm.replay(args.bundle)
     print(result.message)
+    if args.html is not None:
+        from nextoken.trace.pages import replay_page
+        print(f"wrote {replay_page(Path(args.html), result, llm.tokenizer.display_piece)}")
     return 0 if result.identical else 1
 
 
@@ -405,6 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", help="a file written by `nextoken run --record`")
     p.add_argument("--model", "-m", default=None,
                    help="the model file to run it on (default: the recorded path); refused unless it is the same file")
+    p.add_argument("--html", default=None, metavar="FILE", help="also write a self-contained page, step by step")
     p.set_defaults(func=cmd_replay)
 
     p = sub.add_parser("chat", help="a multi-turn chat in the terminal (/exit to leave)",

@@ -223,11 +223,23 @@ class ReplayResult:
     first_difference: int | None  # the first step whose token differs (None: none)
     message: str
     max_logprob_change: float  # over the steps both runs share, of the chosen tokens' log-probabilities
+    # Per step, for a page: (recorded token, its log p, replayed token or None, its log p or None).
+    steps: list[tuple[int, float, int | None, float | None]] = dataclasses.field(default_factory=list)
 
 
 def compare(bundle: Bundle, token_ids: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]],
             finish_reason: str | None, piece: Any) -> ReplayResult:
     """A replay's tokens against the record's, step by step. `piece(id)` shows a token."""
+    result = _compare(bundle, token_ids, logprobs, finish_reason, piece)
+    result.steps = [(s["token"], s["logprob"], token_ids[i] if i < len(token_ids) else None,
+                     logprobs[i][0] if i < len(logprobs) else None) for i, s in enumerate(bundle.steps)]
+    result.steps += [(-1, float("nan"), token_ids[i], logprobs[i][0] if i < len(logprobs) else None)
+                     for i in range(len(bundle.steps), len(token_ids))]
+    return result
+
+
+def _compare(bundle: Bundle, token_ids: list[int], logprobs: list[tuple[float, list[tuple[int, float]]]],
+             finish_reason: str | None, piece: Any) -> ReplayResult:
     steps = bundle.steps
     change = 0.0
     for i, step in enumerate(steps):

@@ -112,3 +112,17 @@ def engine_page(path: Path, observer: Any, num_blocks: int, block_size: int) -> 
         f"<h2>Block map</h2><p class=\"note\">the pool's first {used} of {num_blocks} blocks ({block_size} tokens "
         "each) after each step that changed them: a letter, the request holding the block; *, shared; ., free or "
         "cached</p>", table(["after step", "blocks"], maps, numeric=(0,))])
+
+
+def replay_page(path: Path, result: Any, piece: Any) -> Path:
+    """`nextoken replay --html`: the record's tokens beside the replay's, step by step, the first difference marked."""
+    rows = []
+    for i, (then, lp_then, now, lp_now) in enumerate(result.steps):
+        same = then == now
+        mark = "" if same else " ≠" if i == result.first_difference else " (after)"
+        rows.append((i, "-" if then < 0 else repr(piece(then)), "-" if then < 0 else f"{lp_then:.4f}",
+                     "-" if now is None else repr(piece(now)) + mark, "-" if lp_now is None else f"{lp_now:.4f}",
+                     "yes" if same else "no"))
+    return write_page(path, "nextoken replay", [
+        f"<p>{esc(result.message)}</p>",
+        table(["step", "recorded", "log p", "replayed", "log p", "same"], rows, numeric=(0, 2, 4))])

@@ -64,3 +64,18 @@ def test_the_engine_page(tiny_llama: Path, tmp_path: Path) -> None:
     assert steps and steps[0][2].startswith("A prefill 0-") and "A arrives" in steps[0][3]
     maps = re.findall(r'<span class="map">(.*?)</span>', text)
     assert maps and all(set(m) <= set("ABC*.") for m in maps) and "A" in maps[0]
+
+
+def test_the_replay_page(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    record = tmp_path / "a.json"
+    assert main(["run", "--model", str(tiny_llama), "--weights", "fp32", "--device", "cpu", "--max-tokens", "5",
+                 "--raw", "--record", str(record), PROMPT]) == 0
+    data = json.loads(record.read_text())
+    data["steps"][3]["token"] = (data["steps"][3]["token"] + 1) % 200  # as if the record had drawn another
+    record.write_text(json.dumps(data))
+    page = tmp_path / "replay.html"
+    assert main(["replay", str(record), "--html", str(page)]) == 1
+    capsys.readouterr()
+    table = [r for r in rows(dom(page, tmp_path)) if len(r) == 6]
+    assert [r[5] for r in table] == ["yes", "yes", "yes", "no", "yes"] and table[3][3].endswith("≠")
+    assert "differs at step 3" in dom(page, tmp_path)
