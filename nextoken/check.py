@@ -74,7 +74,7 @@ class FormatReport:
 
     def add(self, prompt: int, ids: list[int], ref_logp: torch.Tensor, logp: torch.Tensor) -> None:
         """Rows [n, vocab] of log-probabilities after each position of `ids` (the last row predicts nothing)."""
-        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1).clamp_min(0)  # [n]
+        kl = kl_rows(ref_logp, logp)  # [n]
         agree = ref_logp.argmax(-1) == logp.argmax(-1)
         self.positions += int(kl.numel())
         self.agree += int(agree.sum())
@@ -83,6 +83,11 @@ class FormatReport:
         if float(kl[worst]) >= self.worst_kl:
             self.worst_kl = float(kl[worst])
             self.worst_at = (prompt, worst, ids[worst])
+
+
+def kl_rows(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """KL(P || Q) per row of log-probabilities [n, vocab] -> [n] (rounding's negatives clamped to 0)."""
+    return (p.exp() * (p - q)).sum(-1).clamp_min(0)
 
 
 def run_check(model: str, prompts: Sequence[str], formats: Sequence[str], *, continuation: int = 32,

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nextoken.check import kl_rows
 from nextoken.engine.record import Bundle, check_model, engine_settings, read_bundle, tokenizer_sha256, with_logprobs
 from nextoken.errors import NextokenError
 
@@ -81,7 +82,7 @@ def compare_runs(a: LLM, b: LLM, prompt_ids: list[int], tokens_a: list[int], tok
     n0 = len(prompt_ids) - 1  # the row after the last prompt token predicts the first generated one
     rows = slice(n0, n0 + len(tokens_a))
     pa, pb = logits_a[rows].double().log_softmax(-1), logits_b[rows].double().log_softmax(-1)
-    kl = (pa.exp() * (pa - pb)).sum(-1).clamp_min(0).tolist()
+    kl = kl_rows(pa, pb).tolist()
     agree = (pa.argmax(-1) == pb.argmax(-1)).tolist()
     first = next((i for i, (x, y) in enumerate(zip(tokens_a, tokens_b)) if x != y),
                  None if len(tokens_a) == len(tokens_b) else min(len(tokens_a), len(tokens_b)))

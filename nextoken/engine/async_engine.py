@@ -293,6 +293,7 @@ class AsyncEngine:
     def enable_debug(self) -> None:
         """Keep a view of the last DEBUG_STEPS steps from now on (the server's /debug/engine)."""
         if self._debug is None:
+            self.engine.observe_schedule = True
             self._debug = deque(maxlen=DEBUG_STEPS)
 
     @property

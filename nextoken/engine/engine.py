@@ -122,6 +122,7 @@ class LLMEngine:
         # Requests waiting for another's prompt blocks (add_request's share_prompt_with), by that request's id.
         self._followers: dict[str, list[Request]] = {}
         self._ids = itertools.count()
+        self.observe_schedule = False  # set by an observer that reads last_schedule after each step
         self.last_schedule: list[tuple[str, int, int]] = []
         self.release_threads()  # the loading thread's: whichever thread steps next does not share the CPUs with them
 
@@ -251,9 +252,9 @@ class LLMEngine:
             self.speculator.propose([r for r in self.scheduler.running if r.request_id in self._live
                                      and r.grammar is None], self.max_model_len)
         scheduled = self.scheduler.schedule()
-        # What this step runs, for observers (the server's /debug/engine): (request id, first position, tokens).
-        self.last_schedule = [(i.request.request_id, i.request.num_computed_tokens,
-                               i.num_new_tokens + len(i.spec_ids)) for i in scheduled]
+        if self.observe_schedule:  # for the server's /debug/engine: (request id, first position, tokens)
+            self.last_schedule = [(i.request.request_id, i.request.num_computed_tokens,
+                                   i.num_new_tokens + len(i.spec_ids)) for i in scheduled]
         if self.speculator is not None:
             for req in self.scheduler.running:
                 req.spec_ids = []  # taken into this step's chunks, or dropped

@@ -188,12 +188,9 @@ def read_bundle(path: str | Path) -> Bundle:
     version = data.get("version")
     if not isinstance(version, int) or version > VERSION:
         raise BundleError(f"the record {path} is of format version {version!r}; this nextoken reads up to {VERSION}")
+    bundle = Bundle(str(path), data)
     try:
-        bundle = Bundle(str(path), data)
-        bundle.params, [int(t) for t in bundle.prompt_ids]  # noqa: B018 - parsed for their checks
-        for step in bundle.steps:
-            int(step["token"]), float(step["logprob"]), [(int(i), float(v)) for i, v in step["top"]]
-        data["model"]["sha256"], data["engine"], data["tokenizer_sha256"]  # noqa: B018
+        _check_fields(bundle)
     except (KeyError, TypeError, ValueError) as exc:
         raise BundleError(f"the record {path} is corrupt: a field is missing or malformed ({exc})") from None
     except NextokenError as exc:
@@ -204,6 +201,22 @@ def read_bundle(path: str | Path) -> Bundle:
 def engine_settings(bundle: Bundle) -> dict[str, Any]:
     """The engine settings a bundle was recorded with, as LLM(...) keywords."""
     return {k: v for k, v in bundle.data["engine"].items() if k in ENGINE_KEYS}
+
+
+def _check_fields(bundle: Bundle) -> None:
+    """Every field replay reads, of the type it reads: KeyError, TypeError or ValueError where one is not."""
+    data = bundle.data
+    bundle.params  # noqa: B018 - SamplingParams validates every parameter
+    if not all(isinstance(t, int) for t in bundle.prompt_ids):
+        raise ValueError("prompt ids that are not integers")
+    for step in bundle.steps:
+        int(step["token"]), float(step["logprob"])
+        for i, v in step["top"]:
+            int(i), float(v)
+    for key in ("sha256", "path"):
+        str(data["model"][key])
+    if not isinstance(data["engine"], dict) or not isinstance(data["tokenizer_sha256"], str):
+        raise TypeError("engine settings or tokenizer hash of the wrong type")
 
 
 def check_model(bundle: Bundle, engine: LLMEngine) -> None:

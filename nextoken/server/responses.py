@@ -68,11 +68,8 @@ class ToolCallOut(_Response):
     function: FunctionCallOut
 
 
-class ToolCallDelta(_Response):
-    index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCallOut
+class ToolCallDelta(ToolCallOut):
+    index: int  # the call's place among the message's calls
 
 
 class AssistantMessage(_Response):

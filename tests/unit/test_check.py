@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from nextoken import LLM
 from nextoken.check import parse_format, run_check
