@@ -457,6 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=DefaultsHelp)
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
     add_engine(p)
+    add_speculative(p)
     add_sampling(p)
     p.set_defaults(max_tokens=16)  # a trace prints a table row per generated token
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")

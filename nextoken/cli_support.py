@@ -57,7 +57,7 @@ def add_engine(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculative(p: argparse.ArgumentParser) -> None:
-    """Speculative decoding's options (run, chat, serve)."""
+    """Speculative decoding's options (run, chat, serve, trace)."""
     p.add_argument("--speculative", default=None, metavar="PROPOSER",
                    help="speculative decoding: ngram (tokens proposed by prompt lookup over the sequence's own "
                         "tokens), draft:MODEL (by a model sharing the vocabulary, e.g. the same one in int4 for "

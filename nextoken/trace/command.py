@@ -31,6 +31,8 @@ class TraceOptions:
     device: str = "auto"
     cuda_graphs: bool = True  # taken for the command line's sake: a traced run is always eager (graphs skip the probe)
     threads: int | None = None
+    speculative: str | None = None  # speculative decoding's proposer: the trace shows each step's proposals
+    num_speculative_tokens: int | None = None
     raw: bool = False
     system: str | None = None
     top_k: int = 5  # candidates shown per step
@@ -65,7 +67,8 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
         return _engine_view(prompt, params, options, console)
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
               lm_head=options.lm_head, activations=options.activations, device=options.device,
-              enable_prefix_caching=False, cuda_graphs=False, threads=options.threads)
+              enable_prefix_caching=False, cuda_graphs=False, threads=options.threads,
+              speculative=options.speculative, num_speculative_tokens=options.num_speculative_tokens)
     if branches:
         from nextoken.trace.branch import print_branches, run_branches, write_branch_html
 
@@ -107,7 +110,8 @@ def _engine_view(prompt: str, params: SamplingParams, options: TraceOptions, con
         raise NextokenError("--engine shows a batch: not with --compare or --branch")
     llm = LLM(options.model, dtype=options.dtype, weights=options.weights, kv_dtype=options.kv_dtype,
               lm_head=options.lm_head, activations=options.activations, device=options.device,
-              threads=options.threads, kv_cache_bytes=options.kv_cache_bytes,
+              threads=options.threads, kv_cache_bytes=options.kv_cache_bytes, speculative=options.speculative,
+              num_speculative_tokens=options.num_speculative_tokens,
               max_num_batched_tokens=options.max_num_batched_tokens)
     view = run_engine_view(llm, prompt, params, options.engine, arrive_every=options.arrive_every, raw=options.raw,
                            system=options.system)

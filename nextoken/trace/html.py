@@ -23,6 +23,7 @@ from nextoken.trace.replay import Agreement
 from nextoken.trace.report import (PATH_LABELS, describe_agreement, describe_effect, describe_paths, describe_replay,
                                    show_piece)
 from nextoken.trace.run import RunResult
+from nextoken.trace.speculation import describe_totals
 from nextoken.trace.summary import Summary
 from nextoken.trace.tracer import STAGES, RecordingTracer
 
@@ -32,6 +33,7 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:18px 0 6px} .muted{co
 #tokens{background:#fff;border:1px solid #ddd;padding:10px;line-height:2.1;white-space:pre-wrap}
 .tok{padding:2px 1px;margin:0 1px;border-radius:3px;cursor:pointer;border:1px solid transparent}
 .tok.prompt{background:#eee;color:#555} .tok.special{color:#a33} .tok.sel{border-color:#000}
+.tok.accepted{text-decoration:underline dotted #225ea8 2px}
 #panel{display:flex;gap:24px;flex-wrap:wrap;margin-top:10px}
 #panel>div{background:#fff;border:1px solid #ddd;padding:10px;min-width:280px}
 table{border-collapse:collapse} td,th{padding:2px 8px;text-align:right} td:first-child,th:first-child{text-align:left}
@@ -110,6 +112,7 @@ function select(i) {
     alt.appendChild(el('div', {class: 'muted path'}, 'computed on: ' + s.path));
     if (s.replay) alt.appendChild(el('div', {class: 'muted'}, s.replay));
     for (const e of s.effects) alt.appendChild(el('div', {class: 'muted effect'}, e));
+    if (s.spec) alt.appendChild(el('div', {class: 'muted spec'}, 'speculative decoding: ' + s.spec));
     const tb = el('table'), pct = x => x === null ? '-' : (100 * x).toFixed(1) + '%';
     tb.appendChild(el('tr')).append(el('th', {}, 'candidate'), el('th', {}, 'raw'), el('th', {}, 'after T'),
                                     el('th', {}, 'final'), el('th'));
@@ -128,9 +131,11 @@ function build() {
   $('generated').textContent = D.text;
   $('paths').textContent = 'forward passes: ' + D.paths;
   $('attn-note').textContent = D.attention.source;
+  if (D.speculation) $('paths').after(el('div', {id: 'spec', class: 'muted'}, D.speculation));
   const box = $('tokens');
   D.tokens.forEach((t, i) => {
-    const s = el('span', {id: 'tok-' + i, class: 'tok ' + (t.gen ? 'gen' : 'prompt') + (t.special ? ' special' : ''),
+    const s = el('span', {id: 'tok-' + i, class: 'tok ' + (t.gen ? 'gen' : 'prompt') + (t.special ? ' special' : '') +
+                          (t.accepted ? ' accepted' : ''),
                           title: 'pos ' + t.pos + ', id ' + t.id + (t.gen ? ', p ' + t.p.toFixed(3) : '')},
                  t.text.replace(/\n/g, '\u21b5\n'));  // a visible mark for newline tokens
     if (t.gen) s.style.background = probColor(t.p);
@@ -194,11 +199,14 @@ def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
         tokens.append({"pos": pos, "id": tid, "text": tok.display_piece(tid), "gen": False,
                        "special": tid in tok.special_ids})
     steps = []
-    for i, step in enumerate(s for s in tracer.steps if s.sample is not None):
-        rec = step.sample
-        assert rec is not None
+    # One entry per generated token: a step verifying proposals yields several, each with a note of how it came.
+    made = [(step, rec, note) for step in tracer.steps
+            for rec, note in zip(step.samples, step.speculation.token_notes(tok) if step.speculation is not None
+                                 else [None] * len(step.samples))]
+    for i, (step, rec, note) in enumerate(made):
         tokens.append({"pos": len(run.prompt_ids) + i, "id": rec.token_id, "text": tok.display_piece(rec.token_id),
-                       "gen": True, "special": rec.token_id in tok.special_ids, "p": rec.drawn_raw_prob, "step": i})
+                       "gen": True, "special": rec.token_id in tok.special_ids, "p": rec.drawn_raw_prob, "step": i,
+                       "accepted": note is not None and note.startswith("proposed by")})
         cands = [[show_piece(tok, c), pr, pt, pf, c == rec.token_id]
                  for c, pr, pt, pf in zip(rec.top_ids, rec.raw_probs, rec.temp_probs, rec.final_probs)]
         if rec.token_id not in rec.top_ids:  # drawn from outside the top K: still show it
@@ -206,7 +214,8 @@ def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
         steps.append({"cands": cands, "h_raw": rec.entropy_raw, "h_final": rec.entropy_final, "kept": rec.num_kept,
                       "path": f"{step.path} ({PATH_LABELS[step.path]})",
                       "replay": None if step.replay is None else _replay_text(step.replay),
-                      "effects": [f"{e.name}: {describe_effect(tok, e)}" for e in rec.effects]})
+                      "effects": [f"{e.name}: {describe_effect(tok, e)}" for e in rec.effects],
+                      "spec": note})
     lanes = []
     for stage in STAGES:
         spans = [list(tracer.spans[stage])] if stage in tracer.spans else []
@@ -214,7 +223,16 @@ def page_data(llm: Any, run: RunResult, summary: Summary) -> dict[str, Any]:
         lanes.append({"name": stage, "color": _COLORS[stage], "total": summary.stage_s[stage], "spans": spans})
     return {"model": summary.model_name, "num_prompt": len(run.prompt_ids), "tokens": tokens, "steps": steps,
             "attention": _attention_data(tracer, summary), "timeline": {"total": run.total_s, "stages": lanes},
-            "text": run.text, "paths": describe_paths(summary.paths, summary.native_gaps)}
+            "text": run.text, "paths": describe_paths(summary.paths, summary.native_gaps),
+            "speculation": _speculation_text(tracer)}
+
+
+def _speculation_text(tracer: RecordingTracer) -> str | None:
+    """The run's speculative decoding in one line (None without it); accepted proposals are underlined."""
+    if not tracer.speculation:
+        return None
+    return (describe_totals([r for _, r in tracer.speculation]) + " (accepted proposals underlined). Select a "
+            "token for how it came.")
 
 
 def render_html(llm: Any, run: RunResult, summary: Summary) -> str:

@@ -20,6 +20,7 @@ from nextoken.models.probe import FUSED_BLOCKS, MODULES, NATIVE_STEP, ForwardPro
 from nextoken.ops import native
 from nextoken.ops.native import LayerTime, ProfileSlot
 from nextoken.trace.probs import SampleRecord
+from nextoken.trace.speculation import SpecRecord
 from nextoken.trace.replay import Agreement
 
 
@@ -41,6 +42,15 @@ class StepRecord:
     router: dict[int, tuple[list[int], list[float]]] = field(default_factory=dict)
     # A fused step re-run on the module path for its attention maps: how the two compare (None: not re-run).
     replay: Agreement | None = None
+    # Under speculative decoding, a decode step's proposals and their verdicts (trace/speculation.py).
+    speculation: SpecRecord | None = None
+
+    @property
+    def samples(self) -> list[SampleRecord]:
+        """The tokens this step yielded, each as its row was sampled: one, or with accepted proposals several."""
+        if self.sample is None:
+            return []
+        return [self.sample] + (self.speculation.kept if self.speculation is not None else [])
 
     def seconds(self, stage: str) -> float:
         start, end = self.spans.get(stage, (0.0, 0.0))

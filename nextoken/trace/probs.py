@@ -11,6 +11,7 @@ mask is the one its matcher gave at the step, taken before the drawn token advan
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -53,6 +54,8 @@ class SampleRecord:
     entropy_final: float  # bits
     num_kept: int  # tokens left with a nonzero probability
     effects: list[ProcessorEffect] = field(default_factory=list)  # per processor that changed a logit
+    # Asked-for ids (a speculative step's proposals) -> (raw, final) probability.
+    probs_of: dict[int, tuple[float, float]] = field(default_factory=dict)
 
 
 def entropy_bits(probs: torch.Tensor) -> float:
@@ -140,7 +143,7 @@ def sampling_distributions(logits: torch.Tensor, params: SamplingParams, prompt_
 
 def describe_sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                     token_id: int, top_k: int, stop_ids: frozenset[int] = frozenset(),
-                    allowed: np.ndarray | None = None) -> SampleRecord:
+                    allowed: np.ndarray | None = None, probs_of: Sequence[int] = ()) -> SampleRecord:
     raw, tempered, final = sampling_distributions(logits, params, prompt_ids, output_ids, stop_ids, allowed)
     top = raw.topk(min(top_k, raw.shape[0]))
     ids = top.indices.tolist()
@@ -150,4 +153,5 @@ def describe_sample(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
         drawn_rank=int((raw > raw[token_id]).sum()), entropy_raw=entropy_bits(raw), entropy_final=entropy_bits(final),
         num_kept=int((final > 0).sum()),
         effects=processor_effects(logits, params, prompt_ids, output_ids, stop_ids, allowed)
-        if params.has_penalties or params.has_processors else [])
+        if params.has_penalties or params.has_processors else [],
+        probs_of={i: (float(raw[i]), float(final[i])) for i in probs_of})

@@ -20,6 +20,7 @@ from nextoken.trace.replay import Agreement
 from nextoken.trace.run import RunResult
 from nextoken.trace.summary import ReplaySummary, Summary, positional_scheme
 from nextoken.trace.tracer import STAGES, RecordingTracer
+from nextoken.trace.speculation import print_speculation
 
 PIPED_WIDTH = 120
 MAX_TOKEN_ROWS = 64  # longer prompts show their first and last tokens only
@@ -234,6 +235,8 @@ def _output(console: Console, llm: Any, run: RunResult, s: Summary, tracer: Reco
     console.print(table)
     console.print("H = entropy in bits; kept = tokens left with nonzero probability after top-k/top-p/min-p")
     _effects(console, tok, tracer.samples)
+    if tracer.speculation:
+        print_speculation(console, tok, tracer.speculation)
     console.print(Panel(Text(run.text), title=f"generated ({len(run.output_ids)} tokens, finish: "
                                               f"{run.finish_reason})", title_align="left", expand=False))
 

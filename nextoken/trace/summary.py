@@ -129,7 +129,9 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
     prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0
     num_prefill = num_decode = 0
     for step in tracer.steps:
-        flops = cost.forward_flops(step.first_position, step.num_tokens, 1 if step.sample is not None else 0)
+        # Logits rows: the sampled one, and under speculative decoding one per verified proposal.
+        rows = 0 if step.sample is None else 1 + (len(step.speculation.verdicts) if step.speculation else 0)
+        flops = cost.forward_flops(step.first_position, step.num_tokens, rows)
         traffic = cost.forward_bytes(step.first_position, step.num_tokens)
         if step.phase == "prefill":
             prefill_flops, prefill_bytes, num_prefill = prefill_flops + flops, prefill_bytes + traffic, \

@@ -26,6 +26,7 @@ from nextoken.trace.attention import DEFAULT_BUDGET, AttentionCapture
 from nextoken.trace.passes import PassRecorder, StepRecord
 from nextoken.trace.probs import SampleRecord, describe_sample
 from nextoken.trace.replay import Agreement, replay_on_modules
+from nextoken.trace.speculation import SpecRecord
 
 if TYPE_CHECKING:
     from nextoken.engine.engine import LLMEngine
@@ -103,7 +104,8 @@ class RecordingTracer(NullTracer):
         self._request: Request | None = None
         self._step: StepRecord | None = None
         self._num_output = 0  # the request's tokens before this step
-        self._pending_sample: tuple[torch.Tensor, SamplingRow, list[int], int, Any] | None = None
+        # This step's sampled rows of the request (one, or one per proposal more): logits, row, output, drawn, mask.
+        self._pending: list[tuple[torch.Tensor, SamplingRow, list[int], int, Any]] = []
 
     @property
     def max_blocks(self) -> int:
@@ -189,7 +191,7 @@ class RecordingTracer(NullTracer):
         n = self._passes.num_layers
         self._step = StepRecord(index=len(self.steps), attn_s=[0.0] * n, mlp_s=[0.0] * n, block_s=[0.0] * n)
         self._passes.start_step(self._step, self._request, self.now())
-        self._pending_sample = None
+        self._pending = []
         self._num_output = len(self._request.output_ids) if self._request is not None else 0
 
     def end_step(self) -> None:
@@ -199,13 +201,19 @@ class RecordingTracer(NullTracer):
         end = self.now()
         after = marks.get("sample_end", marks.get("model_end", marks["step"]))
         step.spans["detokenize"] = (after, end)
-        if self._pending_sample is not None:
-            logits, row, output_ids, token_id, allowed = self._pending_sample
-            step.sample = describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k,
-                                          row.stop_ids, allowed)
-            self._pending_sample = None
+        if self._pending:
+            # Row j verifies proposal j + 1: the tokens the rows after it were given (their outputs' last).
+            proposed = [output_ids[-1] for _, _, output_ids, _, _ in self._pending[1:]]
+            records = [describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k,
+                                       row.stop_ids, allowed, probs_of=proposed[j:j + 1])
+                       for j, (logits, row, output_ids, token_id, allowed) in enumerate(self._pending)]
+            step.sample = records[0]
+            step.speculation = self._speculation(records, proposed, self._pending[0][1].params.is_greedy)
+            self._pending = []
         elif self._passes.greedy:
             step.sample = self._argmax_sample()
+            if step.sample is not None:  # a step that proposed nothing (under speculation: why)
+                step.speculation = self._speculation([step.sample], [], True)
         if self.attention is not None:
             if "model" in marks and step.path != MODULES:
                 step.replay = self._replay(step)
@@ -215,6 +223,20 @@ class RecordingTracer(NullTracer):
         step.spans["trace"] = (end, self.now())
         self._step = None
         self._passes.start_step(None, self._request, end)
+
+    def _speculation(self, records: list[SampleRecord], proposed: list[int], greedy: bool) -> SpecRecord | None:
+        """A decode step's proposals, judged by its rows, with what the speculator chose (engine/spec_policy.py)."""
+        engine, req, step = self.engine, self._request, self._step
+        if engine is None or req is None or step is None or engine.speculator is None or step.phase != "decode":
+            return None
+        state = req.spec_state
+        ids = req.all_ids[:req.num_prompt_tokens + self._num_output]  # the sequence as the proposer saw it
+        match = None
+        if engine.speculator.draft is None and state is not None and proposed:
+            found = state.index.match(ids)
+            match = (found[0], found[1]) if found is not None else None
+        return SpecRecord.build(engine.config.speculative or "", state.choice if state is not None else None,
+                                match, records, proposed, greedy)
 
     def _argmax_sample(self) -> SampleRecord | None:
         """The candidates of a step whose native call took the argmax (no sampler ran), from the logits it wrote."""
@@ -262,13 +284,20 @@ class RecordingTracer(NullTracer):
         idx = next((i for i, r in enumerate(rows) if req is not None and r.output_ids is req.output_ids), None)
         if idx is None and len(rows) == 1:
             idx = 0
-        if idx is not None:
+        if idx is None:
+            return
+        # The rows verifying this request's proposals follow its first (engine/speculative.py sampling_rows): the
+        # same prompt, the output one proposal longer each.
+        end = idx + 1
+        while (end < len(rows) and rows[end].prompt_ids is rows[idx].prompt_ids
+               and len(rows[end].output_ids) == len(rows[idx].output_ids) + end - idx):
+            end += 1
+        for j in range(idx, end):
             # Copies: the engine appends the drawn token to output_ids right after, and penalties need the before.
             # A grammar's mask now, before the drawn token advances its matcher.
-            grammar = rows[idx].grammar
-            self._pending_sample = (logits[idx].detach().float().cpu().clone(), rows[idx],
-                                    list(rows[idx].output_ids), result.token_ids[idx],
-                                    grammar.allowed() if grammar is not None else None)
+            grammar = rows[j].grammar
+            self._pending.append((logits[j].detach().float().cpu().clone(), rows[j], list(rows[j].output_ids),
+                                  result.token_ids[j], grammar.allowed() if grammar is not None else None))
 
     # --- summaries ---------------------------------------------------------------------------------------
 
@@ -300,7 +329,18 @@ class RecordingTracer(NullTracer):
 
     @property
     def samples(self) -> list[SampleRecord]:
-        return [s.sample for s in self.steps if s.sample is not None]
+        """One per generated token, in order (a verifying step yields several)."""
+        return [rec for s in self.steps for rec in s.samples]
+
+    @property
+    def speculation(self) -> list[tuple[int, SpecRecord]]:
+        """(the index of its first token, the record) of each decode step under speculative decoding."""
+        out, at = [], 0
+        for s in self.steps:
+            if s.speculation is not None:
+                out.append((at, s.speculation))
+            at += len(s.samples)
+        return out
 
     def paths(self, phase: str | None = None) -> Counter[str]:
         """Steps per path (models.probe.PATHS) over all steps, or the steps of one phase."""

@@ -15,8 +15,9 @@ from scipy import stats
 
 from nextoken import LLM, SamplingParams
 from nextoken.config import EngineConfig
+from nextoken.engine.ngram import NgramIndex
 from nextoken.engine.request import Request
-from nextoken.engine.speculative import KPolicy, NgramIndex, SeqSpec, StepCosts, num_accepted
+from nextoken.engine.spec_policy import KPolicy, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
 from nextoken.ops.sampling import kept_weights
 from tests.tiny import write_tiny_model
