@@ -85,13 +85,16 @@ def loud_blocks(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", [Q4, Q4_F32, Q8, Q8_HALVES])
-def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDLL, portable: ctypes.CDLL) -> None:
-    """With AVX-512 VNNI, one activation row meets Q4 weights through byte multiply-adds on the int16 codes split
+@pytest.mark.parametrize("rows", [1, 6])
+def test_block_products_on_vnni(kind: int, rows: int, vnni: ctypes.CDLL, avx2: ctypes.CDLL,
+                                 portable: ctypes.CDLL) -> None:
+    """With AVX-512 VNNI, activation rows meet Q4 weights through byte multiply-adds on the int16 codes split
     into bytes, and int8 weights (Q8, Q8 in halves) through 512-bit multiply-adds of int16 pairs: the same integer
     sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within
     fp32 rounding of a float64 product over the dequantized weight (two levels of activation codes), with a value a
-    thousand times the others' in every other block. Row counts past whole tiles of four and thread chunks of 16; 1
-    to 4 blocks in a last quad of blocks, odd block counts (K = 32 ... 1536); 1-3 threads."""
+    thousand times the others' in every other block. On VNNI each activation row's result is the same bits as that
+    row alone (a batch of six: a pass of four rows, then two). Weight row counts past whole tiles of four and thread
+    chunks of 16; 1 to 4 blocks in a last quad of blocks, odd block counts (K = 32 ... 1536); 1-3 threads."""
     assert avx2.nt_has_avx2() == 1 and avx2.nt_has_vnni512() == 0
     gen = torch.Generator().manual_seed(5)
     for n, k in ((1, 32), (3, 64), (17, 96), (43, 128), (64, 160), (35, 576), (21, 640), (50, 1536)):
@@ -108,7 +111,7 @@ def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDL
                              torch.rand(n, k // 16, generator=gen) / 10)
         assert part.kind == kind
         dense = dequantized(part, dtype=torch.float32)
-        x = loud_blocks(torch.randn(1, k, generator=gen) * torch.rand(1, k, generator=gen) * 4, gen)
+        x = loud_blocks(torch.randn(rows, k, generator=gen) * torch.rand(rows, k, generator=gen) * 4, gen)
         x[0, 32:64] = 0  # an activation block of zeros (its scale is zero)
         expected = (x.double() @ dense.double().t()).float()
         for threads in (1, 2, 3):
@@ -116,9 +119,13 @@ def test_one_row_products_on_vnni(kind: int, vnni: ctypes.CDLL, avx2: ctypes.CDL
             try:
                 outs = []
                 for library in (vnni, avx2, portable):
-                    out = torch.full((1, n), float("nan"))
+                    out = torch.full((rows, n), float("nan"))
                     native.block_matmul(library, kind, x, part.qs, part.d, part.m, out)
                     outs.append(out)
+                for r in range(rows):  # batch-invariant: each row alone gives its bits in the batch
+                    alone = torch.full((1, n), float("nan"))
+                    native.block_matmul(vnni, kind, x[r:r + 1].contiguous(), part.qs, part.d, part.m, alone)
+                    assert torch.equal(alone[0], outs[0][r]), (n, k, threads, r)
             finally:
                 torch.set_num_threads(2)
             size = (x.abs() @ dense.abs().t()).float()
