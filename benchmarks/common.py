@@ -139,8 +139,48 @@ class TransformersWorker:
         self.close()
 
 
+# The CPU features that decide which kernels run (ours, llama.cpp's, oneDNN's under torch): every figure is named
+# with the ones its machine has.
+FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+            "amx_bf16")
+
+
+def machine() -> dict[str, object]:
+    """The machine a figure ran on: the CPU's model, its logical CPUs and kernel-deciding features (/proc/cpuinfo),
+    torch's threads, and the native kernels' route (ops/native: AVX-512 VNNI, AVX2 or plain C)."""
+    import torch
+
+    from nextoken.ops import native
+
+    model, flags = "unknown CPU", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model == "unknown CPU":
+                model = value.strip()
+            elif key.strip() == "flags" and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    lib = native.library()
+    route = "none" if lib is None else "AVX-512 VNNI" if lib.nt_has_vnni512() else \
+        "AVX2" if lib.nt_has_avx2() else "plain C"
+    import os
+
+    return {"cpu": model, "cpus": os.cpu_count(), "features": [f for f in FEATURES if f in flags],
+            "threads": torch.get_num_threads(), "kernels": route}
+
+
+def describe_machine() -> str:
+    """machine() in one line, for the top of a benchmark's output."""
+    m = machine()
+    return (f"CPU: {m['cpu']}, {m['cpus']} CPUs, {' '.join(m['features']) or 'no AVX2'}; {m['threads']} threads; "  # type: ignore[arg-type]
+            f"native kernels: {m['kernels']}")
+
+
 def save(name: str, payload: dict) -> Path:
+    """payload as results/NAME.json, with the machine it was measured on."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2))
+    path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path

@@ -13,20 +13,15 @@ scored against the fp32 route, which the tests hold to the reference.
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
+from benchmarks.common import describe_machine
 from nextoken import LLM
 from nextoken.ops import native
 from nextoken.sampling_params import SamplingParams
 from tests.conftest import REAL_MODELS, load_reference
 
 
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 def worst_top5(llm: LLM, prompts: list[dict]) -> tuple[float, int]:
@@ -69,9 +64,7 @@ def main() -> None:
     if args.emulated_avx512:
         native._lib = native.load(native.build(flags=native.EMULATED_AVX512_FLAGS))
         native._tried = True
-    lib = native.library()
-    route = "no native kernels" if lib is None else "AVX-512 VNNI" if lib.nt_has_vnni512() else "AVX2"
-    print(f"CPU: {cpu_name()}; kernels: {route}{' (emulated)' if args.emulated_avx512 else ''}")
+    print(f"{describe_machine()}{' (AVX-512 emulated)' if args.emulated_avx512 else ''}")
     for model in args.models:
         top5 = load_reference(model, "hf_top5.json")["prompts"]
         greedy = load_reference(model, "hf.json")["prompts"]

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.common import describe_machine
 from nextoken import LLM, SamplingParams
 
 SHAPES = {
@@ -28,11 +29,6 @@ SHAPES = {
 }
 
 
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def decode_rate(llm: LLM, tokens: int, repeats: int) -> float:
@@ -51,7 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     from tests.hf_reference import build, write_gguf
 
-    print(f"CPU: {cpu_name()}; decode tokens/s at batch 1, medians of {args.repeats}")
+    print(f"{describe_machine()}; decode tokens/s at batch 1, medians of {args.repeats}")
     with tempfile.TemporaryDirectory() as tmp:
         for label, (name, shape) in SHAPES.items():
             path = write_gguf(build(name, **shape), name, Path(tmp) / f"{label}.gguf")

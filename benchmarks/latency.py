@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import ANCHORS, TransformersWorker, default_and_int8, save, transformers_baseline, versus
+from benchmarks.common import (ANCHORS, TransformersWorker, default_and_int8, describe_machine, save,
+                               transformers_baseline, versus)
 from nextoken import LLM, SamplingParams
 from nextoken.loader.registry import resolve_model
 
@@ -145,6 +146,7 @@ def main() -> None:
     parser.add_argument("--transformers", metavar="PYTHON",
                         help="a Python with transformers, gguf and accelerate: run transformers on the same file in this run")
     args = parser.parse_args()
+    print(describe_machine())
     results: dict[str, dict[str, float]] = {}
     if args.turns:
         if not args.llama_bench and not args.transformers:

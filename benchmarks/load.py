@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.common import ANCHORS, median_time, save, versus
+from benchmarks.common import ANCHORS, describe_machine, median_time, save, versus
 from nextoken.engine.model_loader import load_model
 from nextoken.loader.gguf import read_gguf
 from nextoken.loader.registry import resolve_model
@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("models", nargs="*", default=list(ANCHORS))
     args = parser.parse_args()
+    print(describe_machine())
     results = {}
     print(f"{'model':24} {'dtype':9} {'parse':>7} {'weights':>8} {'tokenizer':>9} {'total':>7}  anchors")
     for name in args.models:

@@ -19,6 +19,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.latency import prompt_ids
+from benchmarks.common import describe_machine
 from nextoken import LLM, SamplingParams
 
 
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--save", type=Path)
     args = parser.parse_args()
+    print(describe_machine())
     torch.set_num_threads(min(2, torch.get_num_threads()))
     report = run(args.model, args.weights, args.batch, args.steps, args.kv_dtype)
     print(report)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import save
+from benchmarks.common import describe_machine, save
 from benchmarks.latency import llama_bench
 from nextoken import LLM, SamplingParams
 from nextoken.ops.fused import NativeStep
@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps timed per round")
     parser.add_argument("--llama-bench", help="a llama-bench binary: llama.cpp's tg128 on the same file, each round")
     args = parser.parse_args()
+    print(describe_machine())
     results = {}
     for name in args.models:
         r = measure(name, args.rounds, args.steps, args.llama_bench)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import platform
 import statistics
 import subprocess
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import describe_machine
 from nextoken.ops import native, sampling
 
 VOCABULARIES = {"smollm2": 49_152, "gemma3": 262_144}
@@ -32,14 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 UNIT = "nextoken/ops/native"
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def baseline_draw(ref: str, work: Path) -> Callable[..., None]:
@@ -108,7 +100,7 @@ def main() -> None:
             routes[args.baseline] = baseline_draw(args.baseline, Path(tmp))
         if not args.no_torch:
             routes["torch"] = sampling.sample_rows
-        print(f"{cpu_name()}, {torch.get_num_threads()} threads; us per row, {args.stat} of {args.repeats}")
+        print(f"{describe_machine()}; us per row, {args.stat} of {args.repeats}")
         others = [name for name in routes if name != "native"]
         print(f"{'vocabulary':>10} {'rows':>4} {'setting':18} " + " ".join(f"{name:>10}" for name in routes)
               + "".join(f" {name + '/native':>14}" for name in others))

@@ -14,10 +14,9 @@ is what speculation sells, depends on it (docs/speculative.md).
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
-import subprocess
 
+from benchmarks.common import describe_machine
 from nextoken import LLM, SamplingParams
 
 CODE = '''def total_price(data, rate):
@@ -58,17 +57,6 @@ OPEN = {
 }
 
 
-def cpu_name() -> str:
-    """lscpu's model name, core count and the vector extensions the kernels use."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = set(fields.get("Flags", "").split())
-    wanted = ["avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8"]
-    return (f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs, "
-            f"{' '.join(f for f in wanted if f in flags)}")
 
 
 def decode_rate(llm: LLM, prompt: str, params: SamplingParams) -> tuple[float, list[int], dict]:
@@ -122,7 +110,7 @@ def main() -> None:
         llm.engine.runner.settle()
         llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=16),
                  use_tqdm=False)
-    print(f"CPU: {cpu_name()}")
+    print(f"{describe_machine()}")
     print(f"model: {args.model} ({plain.engine.runner.weights} weights, {plain.engine.runner.lm_head} head), "
           f"batch 1, {args.max_tokens} tokens at most, median of {args.repeats}; {args.speculative}, K = "
           f"{spec.engine.config.max_speculative_tokens}")

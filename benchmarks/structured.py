@@ -15,6 +15,7 @@ import argparse
 import statistics
 import time
 
+from benchmarks.common import describe_machine
 from nextoken import LLM, SamplingParams
 from nextoken.engine import grammar
 from nextoken.sampling_params import StructuredOutputs
@@ -35,11 +36,6 @@ SCHEMA = {
 PROMPT = "Make up a contact card for a person, as JSON."
 
 
-def cpu_name() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 class GrammarClock:
@@ -92,7 +88,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"CPU: {cpu_name()}; medians of {args.repeats} runs; {args.tokens} new tokens per request")
+    print(f"{describe_machine()}; medians of {args.repeats} runs; {args.tokens} new tokens per request")
     print(f"{'model':24} {'batch':>5} {'grammar us/step':>16} {'step ms':>8} {'share':>6} {'tok/s free':>11} "
           f"{'tok/s schema':>13} {'ratio':>6}")
     for model in args.models:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import ANCHORS as COMMON_ANCHORS
-from benchmarks.common import TransformersWorker, default_and_int8, transformers_baseline
+from benchmarks.common import TransformersWorker, default_and_int8, describe_machine, transformers_baseline
 from nextoken import LLM, SamplingParams
 from nextoken.engine.request import Request
 
@@ -259,6 +259,7 @@ def main() -> None:
                         help="with --transformers: only the uniform batched decode, ours (default and int8 "
                              "activations) and transformers bf16 taking turns N rounds")
     args = parser.parse_args()
+    print(describe_machine())
     num = args.num_requests or (16 if args.quick else 64)
     num_serial = min(num, args.one_by_one or (2 if args.quick else 8))
     output_len = 32 if args.quick else 128
