@@ -130,12 +130,16 @@ class RemoteStream:
         self._generator = generator
         self.replica = replica
         self._unfinished = set(request_ids)
+        self._stopped = False  # the server stopped it (shutdown): its reader gets EngineStopped
         engine._open.add(self)
 
     def __aiter__(self) -> RemoteStream:
         return self
 
     async def __anext__(self) -> tuple[int, RequestOutput]:
+        if self._stopped:
+            self._stopped = False
+            raise EngineStopped("the server shut down before this request finished")
         if not self._unfinished:
             self.close()
             raise StopAsyncIteration
@@ -149,6 +153,8 @@ class RemoteStream:
             raise
         except Exception as exc:
             self.close()
+            if self._stopped:  # cancelled by shutdown while waiting
+                raise EngineStopped("the server shut down before this request finished") from None
             raise _unwrap(exc, self.replica) from None
         if isinstance(item, RemoteFailure):
             self.close()
@@ -240,4 +246,5 @@ class RemoteEngine:
         while self._open and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         for stream in list(self._open):
+            stream._stopped = bool(stream._unfinished)
             stream.close()
