@@ -17,6 +17,7 @@ from typing import Any
 from nextoken.cli_support import (AnswerPrinter, DefaultsHelp, add_engine, add_model, add_sampling, add_speculative,
                                   engine_options, load_text_side, sampling_params)
 from nextoken.errors import NextokenError
+from nextoken.server.replica_options import add_replicas, replica_options
 
 EXIT_USAGE = 2
 
@@ -343,7 +344,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           max_tokens_default=args.max_tokens_default)
     return serve(config, host=args.host, port=args.port, api_key=args.api_key,
                  allow_insecure_bind=args.allow_insecure_bind, drain_timeout=args.drain_timeout,
-                 stream_timeout=args.stream_timeout, request_timeout=args.request_timeout, record_dir=args.record_dir)
+                 stream_timeout=args.stream_timeout, request_timeout=args.request_timeout, record_dir=args.record_dir,
+                 replicas=replica_options(args))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -504,6 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a request's headers, then its body, must each arrive within this long (else the connection "
                         "is closed, or the answer is 408)")
+    add_replicas(p)
     p.set_defaults(func=cmd_serve)
     return parser
 

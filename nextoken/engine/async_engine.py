@@ -192,6 +192,10 @@ class AsyncEngine:
     def abort(self, request_ids: Sequence[str]) -> None:
         self._submit(_Abort(tuple(request_ids)))
 
+    async def snapshot(self) -> EngineStats:
+        """The latest statistics (`stats`; awaitable, as a remote engine's must be read)."""
+        return self.stats
+
     async def shutdown(self, drain_timeout: float) -> None:
         """Stop admitting, let in-flight requests finish within `drain_timeout` seconds, abort the rest, stop."""
         self._admitting = False

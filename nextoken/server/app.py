@@ -46,6 +46,7 @@ from nextoken.server.protocol import (
 from nextoken.server.streaming import SEND_TIMEOUT_S, EventStream, json_response, sse, unless_disconnected
 
 RECORD_HEADER = "X-Nextoken-Record"  # "1" on a request: record it (--record-dir); on the answer: the record's name
+REPLICA_HEADER = "X-Nextoken-Replica"  # on an answer served by a replica (serve --replicas): which one
 DRAIN_TIMEOUT_S = 30.0  # how long SIGTERM lets in-flight requests run before aborting them
 
 
@@ -69,17 +70,19 @@ class ServerState:
 
 
 def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engine: LLMEngine | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, stream_timeout: float = SEND_TIMEOUT_S,
+               async_engine: AsyncEngine | None = None, max_body_bytes: int = MAX_BODY_BYTES, stream_timeout: float = SEND_TIMEOUT_S,
                request_timeout: float = REQUEST_TIMEOUT_S, record_dir: str | None = None) -> FastAPI:
     """The app for one model. `engine`: an LLMEngine already built from `engine_config` (tests share one).
     `stream_timeout`: seconds a stream's send may stay blocked on a client that reads nothing before the stream is
     abandoned and its requests aborted; `request_timeout`: seconds a request's body may take to arrive (408);
-    `record_dir`: where requests with the header `X-Nextoken-Record: 1` are written as records (engine/record.py)."""
+    `record_dir`: where requests with the header `X-Nextoken-Record: 1` are written as records (engine/record.py).
+    `async_engine`: what runs the requests, when not an AsyncEngine over `engine` (replicas: remote_engine.py, with a
+    FrontEngine as `engine`)."""
     llm_engine = engine if engine is not None else LLMEngine(engine_config)
     names = {llm_engine.model_name}
     if engine_config.model in REGISTRY:
         names.add(engine_config.model)
-    state = ServerState(llm_engine, AsyncEngine(llm_engine), ServerMetrics(), frozenset(names),
+    state = ServerState(llm_engine, async_engine or AsyncEngine(llm_engine), ServerMetrics(), frozenset(names),
                         stream_timeout=stream_timeout, record_dir=record_dir)
     document = build_openapi("nextoken", __version__, api_key=api_key is not None)
 
@@ -115,7 +118,7 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(state.metrics.render(state.async_engine.stats),
+        return Response(state.metrics.render(await state.async_engine.snapshot()),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/debug/engine")
@@ -124,10 +127,11 @@ def create_app(engine_config: EngineConfig, api_key: str | None = None, *, engin
         first call on; behind the API key like every route but /health."""
         engine = state.async_engine
         engine.enable_debug()
-        stats = engine.stats
+        stats = await engine.snapshot()
         return json_response({"steps": list(engine.debug_steps), "num_blocks": stats.num_kv_blocks_total,
                               "block_size": llm_engine.block_manager.block_size, "num_running": stats.num_running,
-                              "num_waiting": stats.num_waiting})
+                              "num_waiting": stats.num_waiting,
+                              **({"replicas": engine.replicas} if hasattr(engine, "replicas") else {})})
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -192,6 +196,9 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in job.prompts))
     choices = Choices(job, state.engine)
     headers = {RECORD_HEADER: f"{job.response_id}.json"} if record else {}
+    replica = getattr(stream, "replica", None)
+    if replica is not None:
+        headers[REPLICA_HEADER] = replica
     if job.stream:
         response = EventStream(_events(state, job, stream, choices), state.stream_timeout)
         response.headers.update(headers)

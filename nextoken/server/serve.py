@@ -15,8 +15,10 @@ import os
 import signal
 import sys
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
+from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nextoken.config import EngineConfig
@@ -25,6 +27,9 @@ from nextoken.server.app import DRAIN_TIMEOUT_S, ServerState, create_app
 from nextoken.server.bind import check_bind
 from nextoken.server.middleware import REQUEST_TIMEOUT_S
 from nextoken.server.streaming import SEND_TIMEOUT_S
+
+if TYPE_CHECKING:
+    from nextoken.server.replica_options import ReplicaOptions
 
 log = logging.getLogger("nextoken.server")
 
@@ -45,8 +50,10 @@ class _DrainingServer(uvicorn.Server):
         self._loop = asyncio.get_running_loop()
         host, port = self.servers[0].sockets[0].getsockname()[:2]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        replicas = getattr(self.state.async_engine, "num_replicas", None)
         print(f"nextoken: serving {self.state.engine.model_name} at {self.url}/v1 "
-              f"(max_model_len {self.state.engine.max_model_len}; SIGTERM drains, Ctrl+C stops)", flush=True)
+              f"(max_model_len {self.state.engine.max_model_len}{f'; {replicas} replicas' if replicas else ''}; "
+              "SIGTERM drains, Ctrl+C stops)", flush=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig != signal.SIGTERM or self._loop is None:
@@ -125,8 +132,9 @@ def head_timeout_protocol(seconds: float) -> type[H11Protocol]:
 def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           allow_insecure_bind: bool = False, drain_timeout: float = DRAIN_TIMEOUT_S,
           stream_timeout: float = SEND_TIMEOUT_S, request_timeout: float = REQUEST_TIMEOUT_S,
-          record_dir: str | None = None) -> int:
-    """Load the model, serve until stopped; 0 after a clean stop (SIGTERM included)."""
+          record_dir: str | None = None, replicas: ReplicaOptions | None = None) -> int:
+    """Load the model, serve until stopped; 0 after a clean stop (SIGTERM included). `replicas`: run the engines as
+    Ray Serve replicas behind this server (replicas.py) instead of one engine in this process."""
     check_bind(host, api_key, allow_insecure_bind)
     if not 0 <= port <= 65535:
         raise NextokenError(f"invalid port {port}: must be in 0..65535 (0 picks a free one)")
@@ -139,8 +147,20 @@ def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8
     logging.getLogger("nextoken").setLevel(logging.INFO)  # start-up facts: KV bytes per token, pool size
     if record_dir is not None and not os.path.isdir(record_dir):
         raise NextokenError(f"invalid --record-dir {record_dir}: not a directory")
+    if replicas is not None:
+        if record_dir is not None:
+            raise NextokenError("--record-dir needs the engine in this process: it cannot be combined with --replicas")
+        from nextoken.server.replicas import serve_replicas
+
+        return serve_replicas(engine_config, replicas, lambda front, remote: _run(
+            create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout,
+                       engine=front, async_engine=remote), host, port, drain_timeout, request_timeout))
     app = create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout,
                      record_dir=record_dir)
+    return _run(app, host, port, drain_timeout, request_timeout)
+
+
+def _run(app: FastAPI, host: str, port: int, drain_timeout: float, request_timeout: float) -> int:
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="on",
                             server_header=False, timeout_keep_alive=5, timeout_graceful_shutdown=10,
                             http=head_timeout_protocol(request_timeout))
