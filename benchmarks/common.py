@@ -119,8 +119,9 @@ class TransformersWorker:
         return json.loads(line)
 
     def tok_s(self, dtype: str, **request: int) -> float:
-        """tok/s of one request: prefill=N (one pass over N tokens), decode=N (N greedy steps of one sequence) or
-        batch=B, steps=N (N greedy steps of B sequences after a 128-token prompt each)."""
+        """tok/s of one request: prefill=N (one pass over N tokens), decode=N (N greedy steps of one sequence, after
+        a prompt of depth=D tokens, default 1) or batch=B, steps=N (N greedy steps of B sequences after a 128-token
+        prompt each)."""
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps({"dtype": dtype, **request}) + "\n")
         self.process.stdin.flush()

@@ -16,7 +16,8 @@ transformers loads the GGUF dequantized into the dtype, with SDPA attention, and
 Prompts are fixed-seed random token ids: the work per token does not depend on which.
 
 With --serve it loads each dtype once, prints {"load_s": {dtype: seconds}} as one line, then answers one JSON line per
-request line on stdin, {"dtype": D, "prefill": N} or {"dtype": D, "decode": N} (median of 3 after one warm-up), or
+request line on stdin, {"dtype": D, "prefill": N} or {"dtype": D, "decode": N[, "depth": D]} (median of 3 after one
+warm-up), or
 {"dtype": D, "batch": B, "steps": N} (decode_B, one run), with {"tok_s": X}: how latency.py and throughput.py --turns
 let transformers take turns with nextoken without reloading.
 """
@@ -73,10 +74,11 @@ def _prefill(model, tokens: int, gen: torch.Generator) -> float:
         return tokens / _median_time(lambda: model(input_ids=prompt, use_cache=False))
 
 
-def _decode(model, steps: int, gen: torch.Generator) -> float:
-    """tok/s of `steps` greedy steps of one sequence from a one-token prompt (median of 3 after a warm-up)."""
-    one = torch.randint(10, model.config.vocab_size, (1, 1), generator=gen)
-    return steps / _median_time(lambda: _greedy(model, one, steps))
+def _decode(model, steps: int, gen: torch.Generator, depth: int = 1) -> float:
+    """tok/s of `steps` greedy steps of one sequence after a prompt of `depth` tokens (default one: llama-bench's
+    tg; llama-bench -d's depth otherwise), median of 3 after a warm-up."""
+    prompt = torch.randint(10, model.config.vocab_size, (1, depth), generator=gen)
+    return steps / _median_time(lambda: _greedy(model, prompt, steps))
 
 
 def measure(path: Path, dtype: str, prefill: int, decode: int, batch: int, batch_steps: int) -> dict[str, float]:
@@ -112,7 +114,7 @@ def serve(path: Path, dtypes: list[str]) -> None:
         if "prefill" in request:
             tok_s = _prefill(model, request["prefill"], gen)
         elif "decode" in request:
-            tok_s = _decode(model, request["decode"], gen)
+            tok_s = _decode(model, request["decode"], gen, request.get("depth", 1))
         else:
             tok_s = _batched(model, request["batch"], request["steps"], gen)
         print(json.dumps({"tok_s": tok_s}), flush=True)
