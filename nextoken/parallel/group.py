@@ -79,11 +79,18 @@ class TensorParallelGroup:
         self.timeout = timedelta(seconds=tensor_parallel_timeout())
         self.store = store  # kept alive with the group
         self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        self.procs: list[subprocess.Popen] = []  # rank 0's spawned workers
         self.broken: str | None = None
         self.pg = _process_group(store, rank, world_size, backend, loopback, self.timeout)
         self._header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
-        self._finalizer: weakref.finalize | None = None
+        # Rank 0's end of the group, run once: at close, when the group is collected, or at exit (a finalizer's
+        # default), whichever comes first.
+        self._shutdown = _Shutdown(self.pg, self.device)
+        self._finalizer = weakref.finalize(self, self._shutdown) if rank == 0 else None
+
+    @property
+    def procs(self) -> list[subprocess.Popen]:
+        """Rank 0's spawned workers, by rank from 1 (none under a launcher)."""
+        return self._shutdown.procs
 
     # --- start and stop --------------------------------------------------------------------------------------
 
@@ -114,9 +121,7 @@ class TensorParallelGroup:
         except BaseException:
             _stop_procs(procs, wait_s=0.0)
             raise
-        group.procs = procs
-        # At close, when the group is collected, or at exit (a finalizer's default), whichever comes first.
-        group._finalizer = weakref.finalize(group, _stop_procs, procs, 5.0)
+        group._shutdown.procs = procs
         return group
 
     @classmethod
@@ -141,19 +146,17 @@ class TensorParallelGroup:
     def close(self) -> None:
         """Stop the workers: a STOP message where the group is in step, then (spawned ones) their pipe closed and
         their exit awaited, killed after 5 s."""
-        if self.rank == 0 and self.broken is None:
+        if self.broken is None:
             self.broken = "the group was closed"
-            try:
-                self._broadcast_header(Command.STOP, 0, 0, 0)
-            except RuntimeError:
-                pass  # a lost worker: it is stopped below
         if self._finalizer is not None:
             self._finalizer()
 
     def fail(self, reason: str) -> TensorParallelError:
-        """Mark the group broken (its ranks may be out of step) and stop the workers; the error to raise."""
+        """Mark the group broken (its ranks may be out of step: no STOP message) and stop the workers; the error to
+        raise."""
         if self.broken is None:
             self.broken = reason
+        self._shutdown.in_step = False
         if self._finalizer is not None:
             self._finalizer()
         return TensorParallelError(f"tensor parallelism stopped: {self.broken}")
@@ -193,9 +196,7 @@ class TensorParallelGroup:
         self._broadcast(self._header, self.timeout)
 
     def _broadcast(self, x: torch.Tensor, timeout: timedelta) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
-        self.pg.broadcast([x], opts).wait()
+        _broadcast(self.pg, x, timeout)
 
     def _lost(self, exc: RuntimeError) -> str:
         """Which spawned worker has exited, with its exit code, else the collective's own message."""
@@ -248,6 +249,33 @@ def _process_group(store: dist.Store, rank: int, world: int, backend: str, loopb
     opts._devices = [gloo.create_device(hostname="127.0.0.1")]  # every connection on loopback
     opts._timeout = timeout
     return gloo(store, rank, world, opts)
+
+
+def _broadcast(pg: Any, x: torch.Tensor, timeout: timedelta) -> None:
+    """Rank 0's `x` into every rank's."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
+    pg.broadcast([x], opts).wait()
+
+
+class _Shutdown:
+    """Rank 0's end of a group: STOP to the workers where the ranks are still in step, then the spawned workers'
+    pipes closed and their exit awaited (killed after 5 s)."""
+
+    def __init__(self, pg: Any, device: torch.device) -> None:
+        self.pg, self.device = pg, device
+        self.procs: list[subprocess.Popen] = []
+        self.in_step = True
+
+    def __call__(self) -> None:
+        if self.in_step:
+            self.in_step = False
+            try:
+                _broadcast(self.pg, torch.tensor([int(Command.STOP), 0, 0, 0], device=self.device),
+                           timedelta(seconds=5))
+            except RuntimeError:
+                pass  # a worker already gone: the rest are stopped below
+        _stop_procs(self.procs, 5.0)
 
 
 def _await_workers(store: dist.TCPStore, procs: list[subprocess.Popen]) -> None:

@@ -196,6 +196,7 @@ def test_a_lost_worker_is_an_error_not_a_hang(tiny_llama: Path) -> None:
 
 
 def test_cli_run_with_two_ranks(tiny_llama: Path) -> None:
+    """`run --tensor-parallel 2` prints what one process prints; 0 ranks is a one-line error."""
     args = ["run", "--model", str(tiny_llama), "--raw", "--max-tokens", "8", "--device", "cpu", PROMPT]
     one, two = (subprocess.run([sys.executable, "-m", "nextoken", *args, *extra], capture_output=True, text=True,
                                timeout=120) for extra in ([], ["--tensor-parallel", "2"]))
@@ -204,3 +205,9 @@ def test_cli_run_with_two_ranks(tiny_llama: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "nextoken", *args, "--tensor-parallel", "0"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "tensor_parallel=0" in bad.stderr
+    # Under torchrun: rank 0 answers, rank 1 serves its share and ends when rank 0 does.
+    launched = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               "-m", "nextoken", *args, "--tensor-parallel", "2"], capture_output=True, text=True,
+                              timeout=120)
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == one.stdout
