@@ -171,7 +171,7 @@ class ModelRunner:
         per_value = {"fp32": "4 bytes", "bf16": "2 bytes", "int8": "1 byte + a 2-byte scale per 32"}[self.kv_dtype]
         logger.info("KV cache (%s): %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %s); "
                     "%d blocks of %d tokens = %d tokens, %.1f MiB", self.kv_dtype, self.kv_shape.bytes_per_token,
-                    model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, per_value,
+                    model_config.num_layers, num_kv_heads, model_config.head_dim, per_value,
                     num_blocks, self.block_size, self.kv_pool.num_tokens, self.kv_pool.nbytes / 2**20)
 
     def _num_blocks(self, max_model_len: int) -> int:
