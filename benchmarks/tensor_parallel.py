@@ -19,11 +19,16 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from benchmarks.common import save
 from benchmarks.latency import prompt_ids
 from nextoken import LLM, SamplingParams
+from nextoken.parallel.shard import RowParallel
 
 KV_BYTES = 64 << 20
 FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
@@ -38,6 +43,24 @@ def cpu() -> str:
         elif line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
     return f"{name}, {count} logical CPUs, flags: {' '.join(f for f in FLAGS if f in flags) or 'none of ' + str(FLAGS)}"
+
+
+class AllReduceClock:
+    """Rank 0's time inside the all-reduces of its row-parallel projections, and their count."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds, self.calls = 0.0, 0
+        for module in llm.engine.runner.model.modules():
+            if isinstance(module, RowParallel):
+                module.all_reduce = self.timed(module.all_reduce)
+
+    def timed(self, all_reduce: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+        def run(x: torch.Tensor) -> None:
+            start = time.perf_counter()
+            all_reduce(x)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+        return run
 
 
 def measure(llm: LLM, repeats: int) -> dict[str, float | list[int]]:
@@ -109,13 +132,19 @@ def main() -> None:
         del one
         two = LLM(model, kv_cache_bytes=KV_BYTES, tensor_parallel=2)
         rows["2 ranks"] = measure(two, args.repeats)
+        clock = AllReduceClock(two)  # one more decode run, its all-reduces timed on rank 0
+        decoded = two.generate([prompt_ids(two, 64)], SamplingParams(temperature=0, max_tokens=129, ignore_eos=True),
+                               use_tqdm=False)[0]
+        step_ms = 1000 / decoded.timings["decode_tokens_per_s"]
+        in_reduce_ms = clock.seconds * 1000 / clock.calls * 2 * cfg.num_layers  # per step, prefill's calls included
         two.close()
         del two
         payload = cfg.num_layers * 2 * cfg.hidden_size * 4
         per_rank = payload * 2 * (2 - 1) / 2
         us = all_reduce_us(cfg.hidden_size)
         same = len({tuple(r["tokens"]) for r in rows.values()}) == 1
-        print(f"\n{model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads; "
+        print(f"\n{model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} query heads, "
+              f"{cfg.num_kv_heads} KV heads; "
               f"greedy tokens {'identical' if same else 'DIFFER'} across routes)")
         base = rows["1 rank, modules"]
         for name, r in rows.items():
@@ -124,11 +153,14 @@ def main() -> None:
                   f"prefill 512 {r['prefill_512_ms']:7.1f} ms ({r['prefill_512_ms'] / base['prefill_512_ms']:.2f}x)")
         print(f"  all-reduce payload per token: {payload} B ({2 * cfg.num_layers} all-reduces of {cfg.hidden_size * 4} "
               f"B); sent per rank with a ring, N = 2: {per_rank:.0f} B")
-        print(f"  one {cfg.hidden_size * 4}-byte gloo all-reduce on loopback: {us:.1f} us; x {2 * cfg.num_layers} "
-              f"per decode step = {us * 2 * cfg.num_layers / 1000:.2f} ms")
+        print(f"  one {cfg.hidden_size * 4}-byte gloo all-reduce on loopback, alone: {us:.1f} us; "
+              f"x {2 * cfg.num_layers} per decode step = {us * 2 * cfg.num_layers / 1000:.2f} ms")
+        print(f"  2 ranks, in a decode run: {in_reduce_ms:.1f} ms of a {step_ms:.1f} ms step in rank 0's all-reduces "
+              f"(waiting for rank 1 included)")
         results[model] = {"routes": {k: {m: v for m, v in r.items() if m != "tokens"} for k, r in rows.items()},
                           "allreduce_payload_bytes_per_token": payload, "sent_per_rank_bytes_per_token": per_rank,
-                          "allreduce_us": us, "tokens_identical": same}
+                          "allreduce_us": us, "tokens_identical": same, "step_ms": step_ms,
+                          "allreduce_ms_per_step": in_reduce_ms}
     print(f"\nsaved {save('tensor_parallel', results)}")
 
 

@@ -78,7 +78,9 @@ class TensorParallelGroup:
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.timeout = timedelta(seconds=tensor_parallel_timeout())
         self.store = store  # kept alive with the group
-        self.device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        # NCCL: this machine's GPU of the rank's local index (torchrun's LOCAL_RANK across machines).
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        self.device = torch.device("cuda", local) if backend == "nccl" else torch.device("cpu")
         self.broken: str | None = None
         self.pg = _process_group(store, rank, world_size, backend, loopback, self.timeout)
         self._header = torch.zeros(HEADER, dtype=torch.long, device=self.device)
@@ -140,7 +142,7 @@ class TensorParallelGroup:
                                       f"WORLD_SIZE={world} processes")
         store, rank, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=START_TIMEOUT_S)))
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
         return cls(store, rank, world, backend, loopback=False)
 
     def close(self) -> None:

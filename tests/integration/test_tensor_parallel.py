@@ -47,7 +47,8 @@ def test_two_ranks_match_one(model: str) -> None:
                     # A token may leave the top 5 only in a tie with the 5th.
                     worst = max(worst, abs(mine.get(token_id, row[-1][1]) - lp))
         print(f"{model}: two ranks vs one, worst top-5 log-probability difference {worst:.1e}; start "
-              f"{loaded - started:.1f} s, greedy {decoded - loaded:.1f} s, scoring {time.perf_counter() - decoded:.1f} s")
+              f"{loaded - started:.1f} s, greedy {decoded - loaded:.1f} s, "
+              f"scoring {time.perf_counter() - decoded:.1f} s")
         assert worst < TOLERANCE
     finally:
         two.close()

@@ -121,7 +121,8 @@ def _compare(one: LLM, two: LLM) -> None:
     assert [o.token_ids for o in one.generate(prompts, greedy, use_tqdm=False)] == \
         [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
     beams = SamplingParams(max_tokens=8, ignore_eos=True, beam_width=3)  # forks copy blocks on every rank
-    assert one.generate([ids], beams, use_tqdm=False)[0].token_ids == two.generate([ids], beams, use_tqdm=False)[0].token_ids
+    best = [llm.generate([ids], beams, use_tqdm=False)[0].token_ids for llm in (one, two)]
+    assert best[0] == best[1]
     torch.testing.assert_close(two.engine.runner.score(ids), one.engine.runner.score(ids), rtol=1e-4, atol=1e-4)
 
 
