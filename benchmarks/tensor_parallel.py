@@ -63,18 +63,26 @@ class AllReduceClock:
         return run
 
 
+def rate(timings: dict[str, float | None], key: str) -> float:
+    value = timings[key]
+    assert value is not None, f"no {key} in {timings}"
+    return value
+
+
 def measure(llm: LLM, repeats: int) -> dict[str, float | list[int]]:
     """Decode ms per token at batch 1 (128 tokens after a 64-token prompt) and prefill ms of a 512-token prompt,
     medians of `repeats`; the first run warms up."""
     short, long = prompt_ids(llm, 64), prompt_ids(llm, 512)
     decode = SamplingParams(temperature=0, max_tokens=129, ignore_eos=True)
     prefill = SamplingParams(temperature=0, max_tokens=1)
-    rates, prefills, tokens = [], [], []
+    rates: list[float] = []
+    prefills: list[float] = []
+    tokens: list[int] = []
     for _ in range(repeats + 1):
         out = llm.generate([short], decode, use_tqdm=False)[0]
-        rates.append(out.timings["decode_tokens_per_s"])
+        rates.append(rate(out.timings, "decode_tokens_per_s"))
         tokens = out.token_ids
-        prefills.append(llm.generate([long], prefill, use_tqdm=False)[0].timings["prefill_tokens_per_s"])
+        prefills.append(rate(llm.generate([long], prefill, use_tqdm=False)[0].timings, "prefill_tokens_per_s"))
     return {"decode_ms_per_token": 1000 / statistics.median(rates[1:]),
             "prefill_512_ms": 512 * 1000 / statistics.median(prefills[1:]), "tokens": tokens}
 
@@ -136,7 +144,7 @@ def main() -> None:
         clock = AllReduceClock(two)  # one more decode run, its all-reduces timed on rank 0
         decoded = two.generate([prompt_ids(two, 64)], SamplingParams(temperature=0, max_tokens=129, ignore_eos=True),
                                use_tqdm=False)[0]
-        step_ms = 1000 / decoded.timings["decode_tokens_per_s"]
+        step_ms = 1000 / rate(decoded.timings, "decode_tokens_per_s")
         in_reduce_ms = clock.seconds * 1000 / clock.calls * 2 * cfg.num_layers  # per step, prefill's calls included
         two.close()
         del two
