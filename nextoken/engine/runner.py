@@ -107,7 +107,7 @@ class ModelRunner:
             self._load(gguf, model_config, config, max_model_len)
         except BaseException:
             if self.tp is not None:
-                self.tp.fail("rank 0 failed to start")
+                self.tp.fail(f"rank {self.tp.rank} failed to start")
             raise
 
     def _load(self, gguf: ModelFile, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
@@ -252,7 +252,9 @@ class ModelRunner:
                               batch.logits_indices, self._logits_out(batch))
         except BaseException as exc:
             if self.tp.broken is None:
-                raise self.tp.fail(f"rank 0's forward pass raised {type(exc).__name__}") from exc
+                error = self.tp.fail(f"rank 0's forward pass raised {type(exc).__name__}")
+                if isinstance(exc, Exception):  # an interrupt stays one
+                    raise error from exc
             raise
 
     def settle(self, wait: bool = True) -> bool:
