@@ -14,8 +14,8 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from nextoken.cli_support import (AnswerPrinter, DefaultsHelp, add_engine, add_model, add_sampling, add_speculative,
-                                  engine_options, load_text_side, sampling_params)
+from nextoken.cli_support import (AnswerPrinter, DefaultsHelp, add_engine, add_model, add_parallel, add_sampling,
+                                  add_speculative, engine_options, load_text_side, sampling_params)
 from nextoken.errors import NextokenError
 from nextoken.server.replica_options import add_replicas, replica_options
 
@@ -363,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", help="the prompt (read from standard input when absent)")
     add_engine(p)
     add_speculative(p)
+    add_parallel(p)
     add_sampling(p)
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="a system message for the chat template")
@@ -417,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=DefaultsHelp)
     add_engine(p)
     add_speculative(p)
+    add_parallel(p)
     add_sampling(p)
     p.add_argument("--system", default=None)
     p.add_argument("--no-thinking", action="store_true", help="as for run")
@@ -486,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
     add_engine(p)
     add_speculative(p)
+    add_parallel(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed when ready)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health")

@@ -67,12 +67,22 @@ def add_speculative(p: argparse.ArgumentParser) -> None:
                    help="with --speculative: the most tokens proposed per step (1-64; default 24)")
 
 
+def add_parallel(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism's option (run, chat, serve)."""
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model's attention heads and feed-forward columns across N processes, started "
+                        "here on 127.0.0.1 (or joined under torchrun), each with 1/N of the threads; on one CPU it "
+                        "costs more than it gives (docs/scale-out.md)")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"dtype": args.dtype, "weights": args.weights, "kv_dtype": args.kv_dtype, "lm_head": args.lm_head,
                "activations": args.activations,
                "device": args.device, "cuda_graphs": not args.enforce_eager, "threads": args.threads}
     if hasattr(args, "speculative"):  # the commands that take add_speculative's options
         options.update(speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+    if hasattr(args, "tensor_parallel"):  # add_parallel's
+        options["tensor_parallel"] = args.tensor_parallel
     return options
 
 

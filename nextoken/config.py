@@ -1,6 +1,7 @@
 """Process-wide settings: the engine's defaults and the cache directory ($NEXTOKEN_CACHE_DIR). The native kernels'
 switches are read where they are built (ops/native: NEXTOKEN_NATIVE=0 turns them off, NEXTOKEN_NATIVE_SANITIZE=1
-builds them under the sanitizers, CC picks the compiler).
+builds them under the sanitizers, CC picks the compiler). Tensor parallelism's collective timeout:
+$NEXTOKEN_TP_TIMEOUT (seconds, `tensor_parallel_timeout`).
 
 Engine configuration dataclasses are frozen and validated once, at the edge.
 """
@@ -30,6 +31,23 @@ def available_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def tensor_parallel_timeout() -> float:
+    """Seconds a rank waits in one collective (an all-reduce, a step's inputs, the start) before it gives up on the
+    others ($NEXTOKEN_TP_TIMEOUT, default 60): a lost rank fails the step with an error instead of hanging it. An idle
+    worker waits for the next step without it."""
+    value = os.environ.get("NEXTOKEN_TP_TIMEOUT", "")
+    try:
+        seconds = float(value) if value else 60.0
+    except ValueError:
+        seconds = 0.0
+    if not 0 < seconds < float("inf"):
+        from nextoken.errors import NextokenError
+
+        raise NextokenError(f"invalid NEXTOKEN_TP_TIMEOUT={value!r} (a positive number of seconds)")
+    return seconds
+
+
+TENSOR_PARALLEL_BACKENDS = ("auto", "gloo", "nccl")
 SPECULATIVE_PROPOSERS = (None, "ngram")
 MAX_SPECULATIVE_TOKENS = 64
 # On CPUs a pass of 12 or more rows runs as a GEMM whose cost per row falls with the rows (ops/quant_linear.py), so
@@ -81,6 +99,11 @@ class EngineConfig:
     # sequence and step (k adapts below it, down to 0); None: DEFAULT_SPECULATIVE_TOKENS.
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    # Tensor parallelism (parallel/): the model's attention heads and feed-forward columns split across this many
+    # processes, which nextoken starts itself (or joins, under torchrun). backend: "gloo" (CPU tensors) | "nccl" (CUDA
+    # tensors) | "auto" (the device's).
+    tensor_parallel: int = 1
+    tensor_parallel_backend: str = "auto"
 
     @property
     def draft_model(self) -> str | None:
@@ -139,3 +162,15 @@ class EngineConfig:
         need(k is None or self.speculative is not None, "num_speculative_tokens is set but speculative is not")
         need(self.threads is None or (isinstance(self.threads, int) and not isinstance(self.threads, bool)
                                       and self.threads >= 1), f"threads={self.threads!r} (a whole number, at least 1)")
+        tp = self.tensor_parallel
+        need(isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1,
+             f"tensor_parallel={tp!r} (a whole number of processes, at least 1)")
+        backend = self.tensor_parallel_backend
+        need(backend in TENSOR_PARALLEL_BACKENDS, f"tensor_parallel_backend={backend!r} (auto, gloo or nccl)")
+        need(not (backend == "nccl" and self.device == "cpu"),
+             "tensor_parallel_backend='nccl' moves CUDA tensors, but device='cpu' (use gloo or auto)")
+        need(not (backend == "gloo" and self.device.startswith("cuda")),
+             f"tensor_parallel_backend='gloo' is for CPU tensors, but device={self.device!r} (use nccl or auto)")
+        need(tp == 1 or self.speculative is None,
+             f"speculative={self.speculative!r} with tensor_parallel={tp}: speculative decoding runs on one process "
+             "only")

@@ -106,6 +106,10 @@ class LLM:
         self.model_config = self.engine.model_config
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (`tensor_parallel` > 1), which also stop when this process exits."""
+        self.engine.close()
+
     # --- prompts ---------------------------------------------------------------------------------------------
 
     def encode(self, prompt: Prompt) -> list[int]:

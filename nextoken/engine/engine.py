@@ -36,6 +36,7 @@ from nextoken.loader.hf import HFDirectory
 from nextoken.loader.registry import model_name_for, open_model, resolve_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native
+from nextoken.parallel.group import rank_threads, torchrun_rank
 from nextoken.sampling_params import SamplingParams
 from nextoken.tokenizer.chat import ChatTemplate
 from nextoken.tokenizer.tokenizer import Tokenizer
@@ -88,7 +89,15 @@ class _Live:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        if config.threads is not None:  # before loading, whose conversions run on the same threads
+        if config.tensor_parallel > 1:
+            torch.set_num_threads(rank_threads(config))  # each rank its share of the cores
+            if (torchrun_rank() or 0) > 0:
+                # A launcher started this process as a worker rank: it runs its share of rank 0's passes, then ends.
+                from nextoken.parallel.worker import run_launched
+
+                run_launched(config)
+                raise SystemExit(0)
+        elif config.threads is not None:  # before loading, whose conversions run on the same threads
             torch.set_num_threads(config.threads)
         self.model_path = resolve_model(config.model)
         self.model_name = model_name_for(self.model_path) if config.model != str(self.model_path) \
@@ -239,6 +248,10 @@ class LLMEngine:
         lib = native.library() if self.runner.device.type == "cpu" else None
         if lib is not None:
             lib.nt_release_threads()
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when this process exits)."""
+        self.runner.close()
 
     def idle_work(self) -> bool:
         """Work for a moment without requests: the weights' move onto huge pages, applied once its copy is ready

@@ -2,7 +2,9 @@
 
 It picks the device and dtype (CUDA and bf16 when a GPU is present, else CPU and fp32), sizes the KV pool from the
 engine's byte budget, and runs one forward pass per step under inference mode: on CUDA, pure decode steps replay
-CUDA graphs (engine/graphs.py).
+CUDA graphs (engine/graphs.py). Under tensor parallelism (parallel/) it holds this rank's share of the model and a KV
+pool of its KV heads alone; rank 0's runner sends each pass's inputs to the workers before running it, and every
+rank's pool has the same blocks. The fused native paths and CUDA graphs stay off there.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.fused import FusedDecoder, NativeStep
 from nextoken.ops.hugepages import HugePageMove
 from nextoken.ops.quant_linear import EXACT_BLOCK_TYPES
+from nextoken.parallel.group import Command, TensorParallelGroup
+from nextoken.parallel.shard import plan_shards, shard_model
 
 logger = logging.getLogger("nextoken.engine")
 
@@ -92,21 +96,39 @@ def _all_projections_exact(gguf: ModelFile) -> bool:
 
 class ModelRunner:
     def __init__(self, gguf: ModelFile, model_config: ModelConfig, config: EngineConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, tp: TensorParallelGroup | None = None) -> None:
+        """`tp`: a worker's tensor-parallel group; rank 0 starts its own where `config.tensor_parallel` > 1."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
         self.weights = resolve_weights(config, self.device, gguf)
+        self.tp = tp
+        try:
+            self._load(gguf, model_config, config, max_model_len)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.fail(f"rank {self.tp.rank} failed to start")
+            raise
+
+    def _load(self, gguf: ModelFile, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
         self.dtype = torch.bfloat16 if self.weights == "bf16" else torch.float32  # of the float projection weights
         self.lm_head = resolve_lm_head(config, self.device)
         if config.activations == "int8" and self.weights not in ("int4", "int8"):
             raise NextokenError(f"activations=int8 applies to block weights (int4 or int8, on CPU); these weights "
                                 f"are {self.weights}")
         self.activations = config.activations
+        shards = plan_shards(model_config, config.tensor_parallel, self.weights in ("int4", "int8")) \
+            if config.tensor_parallel > 1 else None
+        if shards is not None and self.tp is None:  # rank 0: the workers load beside it
+            self.tp = TensorParallelGroup.launch(config, self.device)
+        if self.tp is not None and self.tp.backend == "nccl":
+            self.device = self.tp.device
         start = time.perf_counter()
         self.model = load_model(gguf, model_config, dtype=self.dtype, device=self.device,
                                 quant=self.weights if self.weights in ("int4", "int8") else None,
                                 quantize_head=self.lm_head == "int8")
+        if shards is not None and self.tp is not None:
+            shard_model(self.model, shards[self.tp.rank], self.tp.all_reduce)
         if config.activations == "int8":
             self.model.set_activations("int8")
             lib = native.library()
@@ -122,12 +144,21 @@ class ModelRunner:
         self._step: tuple[FusedDecoder | None, NativeStep | None] = (None, None)
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
         self.kv_dtype = resolve_kv_dtype(config, self.device)
-        self.kv_shape = KVShape(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                                KV_DTYPES[self.kv_dtype])
+        num_kv_heads = model_config.num_kv_heads if shards is None or self.tp is None \
+            else shards[self.tp.rank].num_kv_heads
+        self.kv_shape = KVShape(model_config.num_layers, num_kv_heads, model_config.head_dim, KV_DTYPES[self.kv_dtype])
         self.block_size = config.block_size
         # Blocks for requests; with CUDA graphs one more, after them, where padding rows write (engine/graphs.py).
-        self.num_blocks = num_blocks = self._num_blocks(max_model_len)
-        use_graphs = self.device.type == "cuda" and config.cuda_graphs
+        # Under tensor parallelism every rank's pool has rank 0's count (its share of the heads is the largest).
+        if self.tp is None or self.tp.rank == 0:
+            self.num_blocks = num_blocks = self._num_blocks(max_model_len)
+            if self.tp is not None:
+                self.tp.send(Command.INIT, num_blocks)
+        else:
+            command, num_blocks, _, _ = self.tp.receive()
+            assert command == Command.INIT, f"rank {self.tp.rank} expected its pool size, got {command.name}"
+            self.num_blocks = num_blocks
+        use_graphs = self.device.type == "cuda" and config.cuda_graphs and self.tp is None
         # Where the native decode attention reads this cache (CPU activations are fp32), no unwritten slot is ever
         # read and the pool needs no zero fill. Padded reads need one (torch's batched decode, CUDA graphs' fixed
         # widths): masked slots get zero weight, and zero times a stray NaN would still be NaN.
@@ -140,7 +171,7 @@ class ModelRunner:
         per_value = {"fp32": "4 bytes", "bf16": "2 bytes", "int8": "1 byte + a 2-byte scale per 32"}[self.kv_dtype]
         logger.info("KV cache (%s): %d bytes per token (2 x %d layers x %d kv heads x %d head dim x %s); "
                     "%d blocks of %d tokens = %d tokens, %.1f MiB", self.kv_dtype, self.kv_shape.bytes_per_token,
-                    model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, per_value,
+                    model_config.num_layers, num_kv_heads, model_config.head_dim, per_value,
                     num_blocks, self.block_size, self.kv_pool.num_tokens, self.kv_pool.nbytes / 2**20)
 
     def _num_blocks(self, max_model_len: int) -> int:
@@ -163,7 +194,9 @@ class ModelRunner:
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy KV block `src` into `dst` in every layer (K, V and their scales): a forked beam's own copy of the
-        block it shares with its parent and is about to write (engine/beam.py)."""
+        block it shares with its parent and is about to write (engine/beam.py). Rank 0 has its workers copy too."""
+        if self.tp is not None and self.tp.rank == 0:
+            self.tp.send(Command.COPY_BLOCK, src, dst)
         for layer in self.kv_pool.layers:
             for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
                 if t is not None:
@@ -201,11 +234,28 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
         batch = ForwardBatch.build(scheduled, self.block_size, self.device)
+        if self.tp is not None:
+            return batch, self._forward_parallel(batch)
         logits = self.graphs.run(batch) if self.graphs is not None else None
         if logits is None:
             logits = self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
                                 batch.logits_indices, self._logits_out(batch))
         return batch, logits
+
+    def _forward_parallel(self, batch: ForwardBatch) -> torch.Tensor:
+        """Rank 0's pass under tensor parallelism: the inputs to the workers, then its own share. A pass that
+        fails part way leaves the ranks out of step: the group is stopped."""
+        assert self.tp is not None
+        self.tp.send_step(batch.input_ids, batch.positions, batch.attn)
+        try:
+            return self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn,
+                              batch.logits_indices, self._logits_out(batch))
+        except BaseException as exc:
+            if self.tp.broken is None:
+                error = self.tp.fail(f"rank 0's forward pass raised {type(exc).__name__}")
+                if isinstance(exc, Exception):  # an interrupt stays one
+                    raise error from exc
+            raise
 
     def settle(self, wait: bool = True) -> bool:
         """Finish the background move of the weights onto huge pages (waiting for its copy, or only if it is ready)
@@ -245,10 +295,23 @@ class ModelRunner:
         private cache: the engine's pool and running requests are untouched. `modules`: every block through its
         torch modules (the definition), so that hooks on them see each layer."""
         n = len(token_ids)
-        num_blocks = -(-n // self.block_size)
+        pool, meta = self.score_cache(n)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        if self.tp is not None:
+            self.tp.send(Command.SCORE, payload=ids)
+        return self.model(ids, torch.arange(n, device=self.device), pool.layers, meta, modules=modules).float()
+
+    def score_cache(self, num_tokens: int) -> tuple[KVPool, AttentionMetadata]:
+        """A private KV pool for one sequence of `num_tokens` and the metadata of its one pass (`score`)."""
+        num_blocks = -(-num_tokens // self.block_size)
         pool = KVPool(self.kv_shape, num_blocks, self.block_size, self.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=self.device), query_start_loc=[0, n], seq_lens=[n],
-            block_tables=torch.arange(num_blocks, device=self.device)[None], block_size=self.block_size)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return self.model(ids, torch.arange(n, device=self.device), pool.layers, meta, modules=modules).float()
+            slot_mapping=torch.arange(num_tokens, device=self.device), query_start_loc=[0, num_tokens],
+            seq_lens=[num_tokens], block_tables=torch.arange(num_blocks, device=self.device)[None],
+            block_size=self.block_size)
+        return pool, meta
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, where there are any."""
+        if self.tp is not None:
+            self.tp.close()
