@@ -150,6 +150,10 @@ def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8
     if replicas is not None:
         if record_dir is not None:
             raise NextokenError("--record-dir needs the engine in this process: it cannot be combined with --replicas")
+        if engine_config.tensor_parallel > 1:
+            raise NextokenError(f"--tensor-parallel {engine_config.tensor_parallel} with --replicas: a replica splits "
+                                "no model across processes; use replicas (more requests) or tensor parallelism (a "
+                                "larger model), not both")
         from nextoken.server.replicas import serve_replicas
 
         return serve_replicas(engine_config, replicas, lambda front, remote: _run(

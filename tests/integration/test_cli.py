@@ -129,6 +129,8 @@ def test_run_streams_from_stdin_with_tiny_model(tiny_llama: Path) -> None:
     (["run", "--speculative", "medusa", "hi"], "invalid engine setting: speculative='medusa'"),
     (["run", "--speculative", "ngram", "--num-speculative-tokens", "0", "hi"], "num_speculative_tokens=0"),
     (["chat", "--num-speculative-tokens", "4"], "num_speculative_tokens is set but speculative is not"),
+    (["serve", "--replicas", "2", "--tensor-parallel", "2"], "--tensor-parallel 2 with --replicas"),
+    (["trace", "--num-speculative-tokens", "4", "hi"], "num_speculative_tokens is set but speculative is not"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
     out = nextoken(*args)
