@@ -4,9 +4,9 @@ default formats, against llama.cpp and transformers at the same depths in the sa
     python -m benchmarks.long_context [--models ...] [--prefill 2048 8192] [--depth 4096] [--decode 64]
         [--repeats 3] [--llama-bench PATH] [--transformers PYTHON]
 
-nextoken's figures come from its own timings: prefill tok/s of a request of N prompt tokens (one new token), decode
-tok/s of the tokens after the first of a request whose prompt is D tokens. llama.cpp runs `llama-bench -p N -n 0` and
-`-n 64 -d D` on the same GGUF file; transformers (benchmarks/transformers_baseline.py, bf16) one forward pass over N
+nextoken's figures come from its own timings: prefill tok/s of a request of N prompt tokens (one new token; N at most
+the context less one), decode tok/s of the tokens after the first of a request whose prompt is D tokens. llama.cpp
+runs `llama-bench -p N -n 0` and `-n 64 -d D` on the same GGUF file; transformers (benchmarks/transformers_baseline.py, bf16) one forward pass over N
 tokens and greedy steps after a D-token prompt. Prompts are the reference prompts' text repeated (random ids for the
 baselines: the work per token does not depend on which).
 
@@ -65,7 +65,8 @@ def measure(model: str, lengths: list[int], depth: int, steps: int, repeats: int
     llm.generate([ids[:64]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up
     out: dict[str, float] = {}
     for n in [256] + lengths:
-        out[f"prefill_{n}"] = prefill_rate(llm, ids[:n], repeats)
+        # A prompt of the whole context leaves no room for the one token a request must generate: one less there
+        out[f"prefill_{n}"] = prefill_rate(llm, ids[:min(n, llm.engine.max_model_len - 1)], repeats)
     out[f"decode_at_{depth}"] = decode_rate(llm, ids[:depth], steps, repeats)
     out["decode_at_16"] = decode_rate(llm, ids[:16], steps, repeats)
     # Attention's share, from the dependence on depth (the module docstring)
