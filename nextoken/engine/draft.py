@@ -25,7 +25,8 @@ from nextoken.config import EngineConfig
 from nextoken.engine.batch import DecodeBatch, ForwardBatch
 from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
-from nextoken.engine.sampler import argmax
+from nextoken.engine.rejection import distributions, draw, uses_sampled_draft
+from nextoken.engine.sampler import Sampler, SamplingRow, argmax
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.registry import open_model, resolve_model
@@ -121,9 +122,17 @@ class DraftModel:
         shadow.block_table.extend(got)
         return True
 
-    def propose(self, requests: Sequence[Request], ks: Sequence[int]) -> list[list[int]]:
-        """Up to ks[i] greedy tokens to follow each request's known tokens (fewer where the draft's pool is full)."""
+    def propose(self, requests: Sequence[Request], ks: Sequence[int],
+                generator: torch.Generator | None) -> list[list[int]]:
+        """Up to ks[i] tokens to follow each request's known tokens (fewer where the draft's pool is full): greedy
+        ones, or (given a generator) for an unseeded sampled request draws from the draft's distribution after the
+        request's own penalties, processors and filters, each distribution kept in the request's `spec_q` for the
+        target's rejection rule (engine/rejection.py)."""
         out: list[list[int]] = [[] for _ in requests]
+        sampled = [generator is not None and uses_sampled_draft(req.params, req.params.seed is not None)
+                   for req in requests]
+        for req in requests:
+            req.spec_q = []
         live = [(i, self._level(req)) for i, (req, k) in enumerate(zip(requests, ks)) if k > 0]
         for j in range(max(ks, default=0)):
             items = []
@@ -134,8 +143,19 @@ class DraftModel:
                 break
             start = time.perf_counter()
             batch, logits = self.runner.execute([item for _, item in items])
+            picked = [row for row in batch.sample_rows if row is not None]
             tokens = batch.argmax_ids if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None else \
-                argmax(logits[[row for row in batch.sample_rows if row is not None]])
+                argmax(logits[picked])
+            drawing = [n for n, (i, _) in enumerate(items) if sampled[i]]
+            if drawing:
+                targets = [requests[items[n][0]] for n in drawing]
+                q = distributions(Sampler.processed(logits[[picked[n] for n in drawing]], [
+                    SamplingRow(req.params, None, req.prompt_ids, req.output_ids + out[items[n][0]], req.stop_ids)
+                    for n, req in zip(drawing, targets)]), [req.params for req in targets])
+                tokens = list(tokens)
+                for n, req, dist in zip(drawing, targets, q):
+                    tokens[n] = draw(dist, generator)  # type: ignore[arg-type]
+                    req.spec_q.append(dist)
             if all(item.num_new_tokens == 1 for _, item in items):  # a decode pass (catch-up chunks are longer)
                 seconds = time.perf_counter() - start
                 self.step_seconds = seconds if not self.step_seconds else 0.8 * self.step_seconds + 0.2 * seconds

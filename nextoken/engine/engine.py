@@ -279,11 +279,14 @@ class LLMEngine:
         result: SampleResult | None = None
         failed: set[int] = set()
         saved: dict[int, torch.Tensor] = {}  # seeded generators' states before verifying rows drew (by item)
+        rows: list[SamplingRow] = []
+        sampled_logits = logits
         if isinstance(batch, DecodeBatch) and batch.argmax_ids is not None:  # as the sampler allowed (argmax_only)
             result = Sampler.from_argmax(batch.argmax_ids)
         elif sampling:
             rows, picked, saved = sampling_rows(scheduled, sampling)  # one more per proposal (speculative.py)
-            result, failed = self._sample(take_rows(logits, picked), rows)
+            sampled_logits = take_rows(logits, picked)
+            result, failed = self._sample(sampled_logits, rows)
         token_for = first_rows(scheduled, sampling)  # item -> its first row in the result
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -293,7 +296,7 @@ class LLMEngine:
             kept: list[int] = []  # with proposals: the tokens this step yields (accepted ones, then one sampled)
             if item.spec_ids and self.speculator is not None and result is not None:
                 kept = self.speculator.verify(item, result.token_ids, token_for[i], failed, saved.get(i),
-                                              self.scheduler)
+                                              self.scheduler, sampled_logits, rows)
             else:
                 self.scheduler.advance(item)
             if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:
@@ -327,7 +330,10 @@ class LLMEngine:
                 continue
             try:
                 if kept:
-                    outputs.append(self._accept_run(live, kept, result.logprobs[k:k + len(kept)], now))
+                    logprobs = [_chosen(lp, token, drawn, sampled_logits[k + j])  # a sampled draft's tokens
+                                for j, (lp, token, drawn) in enumerate(zip(result.logprobs[k:k + len(kept)], kept,
+                                                                           result.token_ids[k:k + len(kept)]))]
+                    outputs.append(self._accept_run(live, kept, logprobs, now))
                 else:
                     outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
             except Exception as exc:  # one request's detokenization or stop check must not take the batch down
@@ -465,3 +471,12 @@ def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], first: int, k:
         ranks = (logp[:known] > chosen).sum(dim=-1) + 1
         actual = list(zip(chosen[:, 0].tolist(), ranks.tolist()))
     return [list(zip(i, v)) for i, v in zip(ids, vals)], actual
+
+
+def _chosen(logprob: tuple[float, list[tuple[int, float]]] | None, token: int, drawn: int, row: torch.Tensor
+            ) -> tuple[float, list[tuple[int, float]]] | None:
+    """A row's log-probabilities for `token` where the sampler reported them for the token it drew there (`drawn`):
+    the rejection rule may keep another (engine/rejection.py). The top list does not depend on the token."""
+    if logprob is None or token == drawn:
+        return logprob
+    return float(row.float().log_softmax(-1)[token]), logprob[1]

@@ -68,6 +68,8 @@ class Request:
         # Speculative decoding: the tokens proposed to follow all_ids, to be verified in the next step, and the
         # proposer's own state for this sequence (engine/speculative.py).
         self.spec_ids: list[int] = []
+        # A sampled draft's distribution for each of spec_ids (engine/rejection.py); empty for other proposals.
+        self.spec_q: list[Any] = []
         self.spec_state: Any = None
 
     @property

@@ -118,13 +118,20 @@ class Sampler:
         """The result of a step whose rows `argmax_only` let take their argmax elsewhere."""
         return SampleResult(token_ids, [None] * len(token_ids))
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
-        """logits [num_rows, vocab] fp32 (one row per entry of `rows`)."""
+    @staticmethod
+    def processed(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Stages 1-2: the logits after the rows' penalties and processors (a copy where any applies)."""
         raw = logits
         if any(r.params.has_penalties for r in rows):
             logits = apply_penalties(logits, rows)  # a copy
         if any(r.params.has_processors for r in rows):
             logits = apply_processors(logits if logits is not raw else logits.clone(), rows)
+        return logits
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        """logits [num_rows, vocab] fp32 (one row per entry of `rows`)."""
+        raw = logits
+        logits = self.processed(logits, rows)
         greedy = [r.params.is_greedy for r in rows]
         if all(greedy):
             token_ids = argmax(logits)

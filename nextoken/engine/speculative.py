@@ -25,8 +25,10 @@ import torch
 from nextoken.config import EngineConfig
 from nextoken.engine.draft import DraftModel
 from nextoken.engine.request import Request
+from nextoken.engine import rejection
+from nextoken.engine.rejection import distributions
 from nextoken.engine.runner import ModelRunner
-from nextoken.engine.sampler import SamplingRow
+from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.engine.scheduler import ScheduledRequest, Scheduler
 from nextoken.engine.spec_policy import (SHADOW_TOKENS, KPolicy, SeqSpec, SpecChoice, StepCosts, calibrate,
                                         num_accepted)
@@ -91,6 +93,12 @@ class Speculator:
         self.costs = costs
         self.policy = KPolicy(costs, max_k)
         self.draft = draft  # proposals from a draft model (engine/draft.py), else prompt lookup
+        # Whether a draft draws unseeded sampled requests' proposals from its distribution (engine/rejection.py);
+        # False: greedy proposals for every request (the trace, which judges proposals by its rows' draws).
+        self.sampled_drafts = True
+        # Unseeded sampled requests' draft draws and rejection tests (engine/rejection.py) draw from this.
+        self.generator = torch.Generator()
+        self.generator.seed()
         # False: every proposal verified at its full length (up to K), whatever it costs (tests, measurements).
         self.adaptive = True
 
@@ -178,7 +186,7 @@ class Speculator:
                     rows, tokens, verifying, extra = rows + k, more, True, extra + k * per_token
             state.choice = SpecChoice(room, max(room, 0), k, state.draft_expected(k), state.probing)
             ks.append(k)
-        for req, proposal in zip(decoding, self.draft.propose(decoding, ks)):
+        for req, proposal in zip(decoding, self.draft.propose(decoding, ks, self.generator if self.sampled_drafts else None)):
             req.spec_ids = proposal
 
     def release(self, running: Sequence[Request]) -> None:
@@ -188,17 +196,27 @@ class Speculator:
             self.draft.release({req.request_id for req in running})
 
     def verify(self, item: ScheduledRequest, token_ids: Sequence[int], first: int, failed: set[int],
-               saved: torch.Tensor | None, scheduler: Scheduler) -> list[int]:
-        """A chunk with proposals, its rows sampled (from `first` in `token_ids`; `failed`: rows whose sampling
-        raised): the tokens it yields (the accepted proposals, then the token sampled after them; [] where its
-        sampling failed). Advances the request's counter over what is kept, puts a seeded generator (its state
-        `saved` before the draws) back to just past the draws of the kept tokens, and learns."""
+               saved: torch.Tensor | None, scheduler: Scheduler, logits: torch.Tensor,
+               rows: Sequence[SamplingRow]) -> list[int]:
+        """A chunk with proposals, its rows sampled (from `first` in `token_ids`, in `logits` and `rows`; `failed`:
+        rows whose sampling raised): the tokens it yields (the accepted proposals, then the token sampled after
+        them; [] where its sampling failed). Proposals drawn from a draft's distribution (`spec_q`) meet the
+        rejection rule (engine/rejection.py); the others are kept while they equal the rows' own draws. Advances
+        the request's counter over what is kept, puts a seeded generator (its state `saved` before the draws) back
+        to just past the draws of the kept tokens, and learns."""
         req, count = item.request, len(item.spec_ids) + 1
+        q, req.spec_q = req.spec_q[:len(item.spec_ids)], []
         if any(first + j in failed for j in range(count)):
             scheduler.advance(item, len(item.spec_ids))
             return []
         drawn = token_ids[first:first + count]
-        kept = list(drawn[:num_accepted(item.spec_ids, drawn) + 1])
+        if len(q) == len(item.spec_ids):
+            span = slice(first, first + count)
+            p = distributions(Sampler.processed(logits[span], list(rows[span])), [req.params] * count)
+            accepted, residual = rejection.verify(item.spec_ids, q, p, self.generator)
+            kept = list(item.spec_ids[:accepted]) + [drawn[-1] if residual is None else residual]
+        else:
+            kept = list(drawn[:num_accepted(item.spec_ids, drawn) + 1])
         scheduler.advance(item, count - len(kept))
         if saved is not None and req.generator is not None:
             restore_generator(req.generator, saved, len(kept))

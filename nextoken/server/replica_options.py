@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 from dataclasses import dataclass
 
 from nextoken.errors import NextokenError
@@ -29,6 +30,23 @@ class ReplicaOptions:
         if self.ray_address is None and needed > cores:
             raise NextokenError(f"--replicas {self.num_replicas} x --threads {self.threads_per_replica()} needs "
                                 f"{needed} cores; this machine has {cores}")
+        if self.ray_address is not None:
+            check_reachable(self.ray_address)
+
+
+def check_reachable(address: str, timeout: float = 5.0) -> None:
+    """A cluster address of the form [ray://]HOST:PORT must have something listening there: Ray itself retries a
+    dead address for minutes before it gives up. ('auto' and other forms are left to Ray.)"""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not host or not port.isdigit():
+        return
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise NextokenError(f"could not join the Ray cluster at --ray-address {address!r}: nothing answers there "
+                            f"({reason}); is the cluster's head node running?") from None
 
 
 def add_replicas(p: argparse.ArgumentParser) -> None:

@@ -139,6 +139,11 @@ class RecordingTracer(NullTracer):
         if engine.runner.model.probe is not None:
             raise RuntimeError("the model is already watched by another probe")
         self.engine = engine
+        if engine.speculator is not None:
+            # Proposals the trace can judge by its rows' draws: greedy ones (a sampled draft's verdicts depend on
+            # its own distribution, which the trace does not see).
+            self._sampled_drafts = engine.speculator.sampled_drafts
+            engine.speculator.sampled_drafts = False
         try:
             self._attach(engine)
         except BaseException:
@@ -170,6 +175,8 @@ class RecordingTracer(NullTracer):
                 model.probe = None
             if isinstance(self.engine.sampler, _SamplerProbe):
                 self.engine.sampler = self._inner_sampler
+            if self.engine.speculator is not None and hasattr(self, "_sampled_drafts"):
+                self.engine.speculator.sampled_drafts = self._sampled_drafts
         self.engine = None
 
     # --- per request and step ----------------------------------------------------------------------------

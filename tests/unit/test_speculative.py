@@ -11,12 +11,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from scipy import stats
 
 from nextoken import LLM, SamplingParams
 from nextoken.config import EngineConfig
 from nextoken.engine.ngram import NgramIndex
 from nextoken.engine.request import Request
+from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.engine.spec_policy import KPolicy, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
 from nextoken.ops.sampling import kept_weights
@@ -277,6 +279,82 @@ def test_verified_tokens_follow_the_target_distribution(tiny_llama: Path) -> Non
     chi2 = stats.chisquare(observed, want * observed.sum() / want.sum())
     assert chi2.pvalue > 1e-3, chi2
     engine.block_manager.check_integrity(expected_refs={})
+
+
+def _joint(weights, prompt: list[int]) -> dict[tuple[int, ...], float]:  # noqa: ANN001
+    """The target's joint distribution of the next three tokens after `prompt`, from weights(ids) [vocab]."""
+    expected: dict[tuple[int, ...], float] = {}
+    p1 = weights(prompt)
+    for a in p1.nonzero()[:, 0].tolist():
+        pa = float(p1[a] / p1.sum())
+        w2 = weights(prompt + [a])
+        for b in w2.nonzero()[:, 0].tolist():
+            pb = float(w2[b] / w2.sum())
+            w3 = weights(prompt + [a, b])
+            for c in w3.nonzero()[:, 0].tolist():
+                expected[(a, b, c)] = pa * pb * float(w3[c] / w3.sum())
+    return expected
+
+
+def _chi_square(counts: Counter, expected: dict[tuple[int, ...], float], num: int) -> float:
+    """The p-value of the observed sequences against the expected distribution (rare cells pooled)."""
+    assert set(counts) <= set(expected)
+    cells = sorted(expected)
+    assert sum(expected[c] * num >= 5 for c in cells) >= 20  # a test with power: most cells expected 5 times
+    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
+    want = np.array([expected[c] for c in cells]) * num
+    big = want >= 5
+    if not big.all():
+        observed = np.append(observed[big], observed[~big].sum())
+        want = np.append(want[big], want[~big].sum())
+    return float(stats.chisquare(observed, want * observed.sum() / want.sum()).pvalue)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=12.0, top_k=3, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=12.0, top_p=0.95, min_p=0.2, repetition_penalty=1.02, max_tokens=3, ignore_eos=True),
+], ids=["top-k", "top-p-min-p-penalty"])
+def test_sampled_drafts_follow_the_target_distribution(tiny_llama: Path, other_llama: Path,
+                                                       params: SamplingParams) -> None:
+    """Another model (other weights) draws each proposal from its own distribution after the same penalties and
+    filters; the target keeps it with probability min(1, p / q) and draws from the residual max(0, p - q) at the
+    first rejection. The joint frequencies of the first three tokens of unseeded requests against the target's own
+    distribution (a full recomputation through the sampler's stages): a rule that kept the draft's tokens too often
+    would carry the draft's distribution into the output."""
+    llm = _forced(tiny_llama, k=2, speculative=f"draft:{other_llama}", max_num_seqs=256, max_waiting=32768)
+    engine = llm.engine
+    prompt = llm.encode("the cat")
+
+    def weights(ids: list[int]) -> torch.Tensor:
+        row = SamplingRow(params, None, prompt, ids[len(prompt):])
+        logits = Sampler.processed(engine.runner.score(ids)[-1:], [row])
+        return kept_weights(logits, [params.temperature], [params.top_k], [params.top_p], [params.min_p])[0]
+
+    num = 20000
+    outs = llm.generate([prompt] * num, params, use_tqdm=False)
+    proposed = sum(o.timings["spec_proposed_tokens"] for o in outs)
+    accepted = sum(o.timings["spec_accepted_tokens"] for o in outs)
+    assert proposed >= num and 0.05 * proposed < accepted < 0.95 * proposed  # both ways of the rule taken
+    assert _chi_square(Counter(tuple(o.token_ids) for o in outs), _joint(weights, prompt), num) > 1e-3
+    engine.block_manager.check_integrity(expected_refs={})
+    draft = engine.speculator.draft  # type: ignore[union-attr]
+    assert draft is not None and draft.blocks.num_used_blocks == 0
+
+
+def test_sampled_drafts_report_the_target_logprobs_of_what_they_keep(tiny_llama: Path, other_llama: Path) -> None:
+    """Log-probabilities of tokens kept from a sampled draft (or drawn from the residual) are the target's for
+    those tokens, as teacher forcing gives them."""
+    llm = _forced(tiny_llama, k=3, speculative=f"draft:{other_llama}")
+    params = SamplingParams(temperature=8.0, top_k=4, max_tokens=24, ignore_eos=True, logprobs=2)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert sum(o.timings["spec_accepted_tokens"] for o in outs) > 0
+    for out in outs:
+        ids = list(out.prompt_token_ids) + out.outputs[0].token_ids
+        logp = llm.engine.runner.score(ids).log_softmax(-1)
+        for j, (token, (chosen, top)) in enumerate(zip(out.outputs[0].token_ids, out.outputs[0].logprobs)):
+            want = logp[len(out.prompt_token_ids) - 1 + j]
+            assert abs(chosen - float(want[token])) < 1e-4
+            assert [t for t, _ in top] == want.topk(2).indices.tolist()
 
 
 # --- adaptive k -------------------------------------------------------------------------------------------------
