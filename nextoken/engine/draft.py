@@ -65,6 +65,7 @@ class DraftModel:
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, enable_prefix_caching=False)
         self.shadows: dict[str, Request] = {}
         self.step_seconds = 0.0  # a draft pass's time, a moving average (the proposals' cost); 0: not measured yet
+        self.catch_up_seconds = 0.0  # per token, of a chunk bringing a shadow level (timed by `time_catch_up`)
 
     @classmethod
     def load(cls, name: str, target: EngineConfig, target_vocab: int, max_model_len: int) -> DraftModel:
@@ -87,6 +88,34 @@ class DraftModel:
             raise NextokenError(f"speculative=self:{num_layers}: the draft's layers must be from 1 to {total - 1} "
                                 f"(the model has {total})")
         return cls(EarlyExit(target, num_layers))
+
+    def time_passes(self, num_tokens: int = 32) -> None:
+        """Time a chunk of num_tokens through the draft, as a shadow's catch-up runs, and a one-token pass after it,
+        on blocks given back after (best of two): `catch_up_seconds` per token, and `step_seconds` until the
+        drafting passes measure it."""
+        probe = Request("catch-up", [0] * (num_tokens + 1), GREEDY, frozenset())
+        if not self._room(probe, num_tokens + 1):
+            return
+        try:
+            chunk = step = float("inf")
+            for _ in range(2):
+                probe.num_computed_tokens = 0
+                start = time.perf_counter()
+                self.runner.execute([ScheduledRequest(probe, num_tokens)])
+                probe.num_computed_tokens = num_tokens
+                middle = time.perf_counter()
+                self.runner.execute([ScheduledRequest(probe, 1)])
+                chunk, step = min(chunk, middle - start), min(step, time.perf_counter() - middle)
+        finally:
+            self.blocks.free(probe.block_table)
+            probe.block_table = []
+        self.catch_up_seconds = chunk / num_tokens
+        self.step_seconds = self.step_seconds or step
+
+    def behind(self, req: Request) -> int:
+        """Tokens of the request its shadow has yet to compute (all of them before it first drafts)."""
+        shadow = self.shadows.get(req.request_id)
+        return req.num_tokens - (shadow.num_computed_tokens if shadow is not None else 0)
 
     def release(self, keep: set[str]) -> None:
         """Free the shadows of requests not in `keep`."""

@@ -30,6 +30,9 @@ RUN_HISTORY = 16  # a sequence's latest runs that predict its next one
 DRAFT_DECAY = 0.9  # per verified step, the weight of a sequence's earlier draft acceptance
 PROBE_GAP = 16  # steps after which a sequence whose drafts do not pay drafts two tokens again...
 MAX_PROBE_GAP = 256  # ...doubling while those accept nothing, up to this
+# Probes may take at most this share of a sequence's plain decode time (its steps at a plain step's cost): each
+# waits until its expected time fits, the first too (it catches the draft's cache up on the whole prompt).
+PROBE_SHARE = 0.05
 MIN_GAIN = 1.1  # the expected speed-up over not speculating below which a sequence does not propose
 # Tokens of an unverified proposal checked against plain decoding: few, so that a run of copying is noticed soon
 SHADOW_TOKENS = 4
@@ -145,7 +148,13 @@ class SeqSpec:
     steps_off: int = PROBE_GAP - 1  # a sequence's first decode step drafts: something to learn from
     probe_gap: int = PROBE_GAP  # doubled after each probe that accepts nothing, up to MAX_PROBE_GAP
     probing: bool = False
+    probe_seconds: float = 0.0  # time its probes took (their draft passes and their rows' share of the verification)
+    decode_steps: int = 0
     choice: SpecChoice | None = None
+
+    def may_probe(self, probe_cost: float, step_cost: float) -> bool:
+        """Whether a probe costing `probe_cost` keeps the probes' time within PROBE_SHARE of the decode time."""
+        return self.probe_seconds + probe_cost <= PROBE_SHARE * self.decode_steps * step_cost
 
     def draft_expected(self, k: int) -> float:
         """Tokens a step verifying k drafted proposals is expected to yield, each accepted given those before it

@@ -118,6 +118,7 @@ class Speculator:
         runner.settle()
         if draft is not None:
             draft.runner.settle()
+            draft.time_passes()
         costs = calibrate(runner.model, runner.kv_pool, verify_rows(max_k), runner.device)
         return cls(max_k, StepCosts(costs), draft)
 
@@ -164,30 +165,47 @@ class Speculator:
     def _propose_drafts(self, decoding: list[Request], rows: int, max_model_len: int) -> None:
         """propose, with the draft model: each sequence's k chosen first (its proposals cost a draft step each),
         then drafted together. A sequence off drafts two tokens now and then (at its first step, then every
-        `probe_gap` steps, a gap that doubles while they accept nothing), to learn whether it should be on."""
+        `probe_gap` steps, a gap that doubles while they accept nothing), to learn whether it should be on; as long
+        as its probes' time stays within PROBE_SHARE of its decode time (a probe's draft passes include catching
+        the draft's cache up on every token since the last: on a CPU, often several plain steps' time)."""
         assert self.draft is not None
         tokens, verifying, extra = float(len(decoding)), False, 0.0
         # Until a draft pass is measured, it is taken to cost what a target step does: drafting must prove itself.
-        per_token = self.draft.step_seconds or self.costs(1, verify=False)
+        step_cost = self.costs(1, verify=False)
+        per_token = self.draft.step_seconds or step_cost
         ks: list[int] = []
         for req in decoding:
             state = req.spec_state
             if state is None:
                 state = req.spec_state = SeqSpec()
+            state.decode_steps += 1
             room = min(self.max_k, req.params.max_tokens - len(req.output_ids) - 1, max_model_len - req.num_tokens - 1)
             k = max(room, 0)
             if self.adaptive and k:
                 k, more = self.policy.choose(rows, tokens, state.draft_expected, room, verifying, per_token, extra)
                 state.steps_off = 0 if k else state.steps_off + 1
-                if state.steps_off >= state.probe_gap:  # two tokens: the second's pass times a draft step
+                # A probe drafts two tokens: the second's pass times a draft step.
+                if state.steps_off >= state.probe_gap and state.may_probe(self._probe_cost(req, per_token),
+                                                                           step_cost):
                     k = min(2, room)
                     more, state.steps_off, state.probing = tokens + state.draft_expected(k) - 1.0, 0, True
                 if k:
                     rows, tokens, verifying, extra = rows + k, more, True, extra + k * per_token
             state.choice = SpecChoice(room, max(room, 0), k, state.draft_expected(k), state.probing)
             ks.append(k)
-        for req, proposal in zip(decoding, self.draft.propose(decoding, ks, self.generator if self.sampled_drafts else None)):
+        for req, k in zip(decoding, ks):
+            if k and req.spec_state.probing:
+                req.spec_state.probe_seconds += self._probe_cost(req, per_token)
+        for req, proposal in zip(decoding, self.draft.propose(decoding, ks,
+                                                              self.generator if self.sampled_drafts else None)):
             req.spec_ids = proposal
+
+    def _probe_cost(self, req: Request, per_token: float) -> float:
+        """A probe's expected time: the draft's cache caught up on the tokens it lacks, two draft passes, and the
+        verifying pass's two extra rows."""
+        assert self.draft is not None
+        return (self.draft.behind(req) * self.draft.catch_up_seconds + 2 * per_token
+                + max(0.0, self.costs(3, verify=True) - self.costs(1, verify=False)))
 
     def release(self, running: Sequence[Request]) -> None:
         """After a step, or an abort: a draft model's shadows of requests no longer running give their blocks

@@ -19,7 +19,7 @@ from nextoken.config import EngineConfig
 from nextoken.engine.ngram import NgramIndex
 from nextoken.engine.request import Request
 from nextoken.engine.sampler import Sampler, SamplingRow
-from nextoken.engine.spec_policy import KPolicy, SeqSpec, StepCosts, num_accepted
+from nextoken.engine.spec_policy import PROBE_SHARE, KPolicy, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
 from nextoken.ops.sampling import kept_weights
 from tests.tiny import write_tiny_model
@@ -379,6 +379,23 @@ def test_k_follows_costs_and_expected_tokens() -> None:
     # plain steps measured faster than the calibrated pass: the bar rises
     gemm.observe(1, 0.001, verify=False)
     assert KPolicy(gemm, 24).choose(1, 1.0, _geometric(0.97), 24)[0] == 0
+
+
+def test_probes_wait_until_their_time_fits_the_share() -> None:
+    """A draft's probe (its cache caught up, two draft passes, two more rows verified) runs only once the probes'
+    time, this one included, fits PROBE_SHARE of the sequence's decode time: the first too."""
+    state, step, probe = SeqSpec(), 0.004, 0.03
+    steps_for_one = probe / (PROBE_SHARE * step)  # 150
+    state.decode_steps = 1
+    assert not state.may_probe(probe, step)
+    state.decode_steps = int(steps_for_one) - 1
+    assert not state.may_probe(probe, step)
+    state.decode_steps = int(steps_for_one) + 1
+    assert state.may_probe(probe, step)
+    state.probe_seconds = probe
+    assert not state.may_probe(probe, step)
+    state.decode_steps = int(2 * steps_for_one) + 1
+    assert state.may_probe(probe, step)
 
 
 def test_a_sequence_switched_off_learns_from_its_unverified_proposals() -> None:
