@@ -117,3 +117,33 @@ def test_an_address_with_no_cluster_is_a_one_line_error(tiny_model: Path) -> Non
     assert done.returncode != 0
     assert f"could not join the Ray cluster at --ray-address {address!r}" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_sigterm_drains_the_replicas_then_exits_zero(cluster: str, tiny_model: Path, server_logs: Path) -> None:
+    """SIGTERM with replicas: new requests get 503, a stream in flight on a replica runs to its end, the server
+    exits 0 and takes its application off the cluster."""
+    server = ServerProcess(str(tiny_model), "--kv-cache-bytes", str(16 << 20), "--ray-address", cluster,
+                           "--replicas", "1", "--threads", "1", "--drain-timeout", "30", log_dir=server_logs,
+                           wait=False)
+    try:
+        server.wait_ready(timeout=120)
+        body = {"model": server.model, "prompt": "the cat", "stream": True, "max_tokens": 600, "temperature": 0,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=60) as http, http.stream("POST", server.base_url + "/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while httpx.get(server.url + "/health", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, "the server never started draining"
+                time.sleep(0.02)
+            refused = httpx.post(server.base_url + "/completions", json={"model": server.model, "prompt": "hi"},
+                                 timeout=10)
+            assert refused.status_code == 503
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-1 - 1])["usage"]["completion_tokens"] == 600  # it ran to the end
+        assert server.proc.wait(60) == 0, server.log.read_text()[-3000:]
+    finally:
+        server.stop()
+    assert _applications(cluster) == []
