@@ -59,7 +59,8 @@ def llama_bench(binary: str, model: str, threads: int, prefill: list[int], depth
 
 
 def measure(model: str, lengths: list[int], depth: int, steps: int, repeats: int) -> dict[str, float]:
-    llm = LLM(model, max_num_batched_tokens=max(lengths + [depth]) + 16)
+    # No prefix cache: a repeat would find the prompt's blocks cached and time only its last tokens.
+    llm = LLM(model, enable_prefix_caching=False)
     llm.engine.runner.settle()
     ids = prompt_ids(llm, max(lengths + [depth]))
     llm.generate([ids[:64]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)  # warm-up

@@ -131,7 +131,7 @@ def main() -> None:
     results: dict[str, dict] = {"cpu": {"name": cpu()}}
     for model in args.models:
         rows: dict[str, dict] = {}
-        one = LLM(model, kv_cache_bytes=KV_BYTES)
+        one = LLM(model, kv_cache_bytes=KV_BYTES, enable_prefix_caching=False)  # repeats time every token
         cfg = one.model_config
         rows["1 rank, fused (default)"] = measure(one, args.repeats)
         one.engine.runner.settle()  # the huge-page move rebuilds the fused path: done before it is taken off
@@ -139,7 +139,7 @@ def main() -> None:
         rows["1 rank, modules"] = measure(one, args.repeats)
         one.close()
         del one
-        two = LLM(model, kv_cache_bytes=KV_BYTES, tensor_parallel=2)
+        two = LLM(model, kv_cache_bytes=KV_BYTES, tensor_parallel=2, enable_prefix_caching=False)
         rows["2 ranks"] = measure(two, args.repeats)
         clock = AllReduceClock(two)  # one more decode run, its all-reduces timed on rank 0
         decoded = two.generate([prompt_ids(two, 64)], SamplingParams(temperature=0, max_tokens=129, ignore_eos=True),
