@@ -158,7 +158,7 @@ class DraftModel:
         request's own penalties, processors and filters, each distribution kept in the request's `spec_q` for the
         target's rejection rule (engine/rejection.py)."""
         out: list[list[int]] = [[] for _ in requests]
-        sampled = [generator is not None and uses_sampled_draft(req.params, req.params.seed is not None)
+        sampled = [generator is not None and uses_sampled_draft(req.params)
                    for req in requests]
         for req in requests:
             req.spec_q = []

@@ -9,64 +9,31 @@ be accepted one time in three.
 Unseeded sampled requests only: a seeded request keeps greedy proposals and the one-hot rule of
 engine/speculative.py, which draws exactly the tokens plain decoding draws with that seed.
 
-The distributions are fp64 renderings of the sampler's draw (engine/sampler.py, steps b-g): the same tokens kept,
-weights exp((l - max l) / T) (0 below e^-24) rather than their fixed-point rounding, so p and q differ from the
-plain draw's by less than 1e-9 of a probability.
+p and q are the distributions the sampler's draw defines (engine/sampler.py, steps a-g: `kept_weights`), normalized.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
+from nextoken.ops.sampling import kept_weights
 from nextoken.sampling_params import SamplingParams
 
-NEGLIGIBLE = -24.0  # (l - max l) / T below this weighs 0, as in the sampler's draw
 
-
-def uses_sampled_draft(params: SamplingParams, seeded: bool) -> bool:
+def uses_sampled_draft(params: SamplingParams) -> bool:
     """Whether a request's proposals are drawn from the draft's distribution (else they are its greedy tokens)."""
-    return not params.is_greedy and not seeded
+    return not params.is_greedy and params.seed is None
 
 
 def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """logits [rows, vocab] (after penalties and processors), one SamplingParams per row -> [rows, vocab] fp64, each
-    row the distribution that row's draw samples from (one-hot at the argmax for a greedy row, or one whose largest
-    logit is not finite)."""
-    rows, vocab = logits.shape
-    out = torch.zeros(rows, vocab, dtype=torch.float64, device=logits.device)
-    for i, p in enumerate(params):
-        x = logits[i].double()
-        top = float(x.max())
-        inv_t = 1.0 / p.temperature if p.temperature > 0 else math.inf
-        if p.is_greedy or not math.isfinite(top) or not math.isfinite(inv_t):
-            out[i, int(torch.argmax(x))] = 1.0
-            continue
-        x = (x - top) * inv_t
-        w = torch.where(x < NEGLIGIBLE, 0.0, torch.exp(x))
-        if 0 < p.top_k < vocab:  # the k largest (ties: lower ids first, as the draw orders them)
-            kept = torch.zeros(vocab, dtype=torch.bool, device=x.device)
-            kept[_ranked(x)[:p.top_k]] = True
-            w = torch.where(kept, w, 0.0)
-        if p.top_p < 1.0:  # in that order, the tokens whose weight before them is below top_p of the whole
-            order = _ranked(x, w > 0)
-            before = torch.cumsum(w[order], 0) - w[order]
-            drop = order[before >= p.top_p * float(w.sum())]
-            drop = drop[1:] if drop.numel() and drop[0] == order[0] else drop  # the first always stays
-            w[drop] = 0.0
-        if p.min_p > 0.0:  # the best weighs exactly 1
-            w = torch.where(w >= p.min_p, w, 0.0)
-        out[i] = w / w.sum()
-    return out
-
-
-def _ranked(x: torch.Tensor, among: torch.Tensor | None = None) -> torch.Tensor:
-    """Token ids by x descending, then id ascending (the draw's order); only those where `among` is set."""
-    ids = torch.arange(x.numel(), device=x.device) if among is None else among.nonzero()[:, 0]
-    # A stable sort of the ids (ascending) by -x keeps equal values in id order.
-    return ids[torch.sort(-x[ids], stable=True).indices]
+    row the distribution that row's draw samples from: the sampler's own kept weights, normalized (one-hot at the
+    argmax for a greedy row)."""
+    weights = kept_weights(logits, [p.temperature for p in params], [p.top_k for p in params],
+                           [p.top_p for p in params], [p.min_p for p in params])
+    return weights / weights.sum(dim=1, keepdim=True)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
@@ -78,7 +45,7 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(at, probs.numel() - 1)
 
 
-def verify(proposals: Sequence[int], q: Sequence[torch.Tensor], p: torch.Tensor,
+def rejection_rule(proposals: Sequence[int], q: Sequence[torch.Tensor], p: torch.Tensor,
            generator: torch.Generator) -> tuple[int, int | None]:
     """The rejection rule over proposals x_1..x_k drawn from q[j] [vocab] each, given the target's p [k + 1, vocab]
     (row j at proposal j's position, row k after the last). -> (proposals accepted, the token drawn from the residual

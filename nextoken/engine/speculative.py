@@ -24,9 +24,8 @@ import torch
 
 from nextoken.config import EngineConfig
 from nextoken.engine.draft import DraftModel
+from nextoken.engine.rejection import distributions, rejection_rule
 from nextoken.engine.request import Request
-from nextoken.engine import rejection
-from nextoken.engine.rejection import distributions
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.engine.scheduler import ScheduledRequest, Scheduler
@@ -231,7 +230,7 @@ class Speculator:
         if len(q) == len(item.spec_ids):
             span = slice(first, first + count)
             p = distributions(Sampler.processed(logits[span], list(rows[span])), [req.params] * count)
-            accepted, residual = rejection.verify(item.spec_ids, q, p, self.generator)
+            accepted, residual = rejection_rule(item.spec_ids, q, p, self.generator)
             kept = list(item.spec_ids[:accepted]) + [drawn[-1] if residual is None else residual]
         else:
             kept = list(drawn[:num_accepted(item.spec_ids, drawn) + 1])

@@ -247,25 +247,53 @@ def _row_chunks(rows: torch.Tensor, width: int) -> list[torch.Tensor]:
     return [rows[i:i + step] for i in range(0, rows.numel(), step)]
 
 
+def _held_candidates(logits: torch.Tensor, top: torch.Tensor, params: _Rows, ranked: torch.Tensor, bits: int
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Top-k and top-p rows (`ranked`, a mask) ranked over their largest logits, candidates widened until each row's
+    kept set lies among them: (rows, their candidates' ids [n, C], the kept weights [n, C]) for each group held."""
+    num, vocab = logits.shape
+    # top-p without top-k normalizes over the whole row
+    total = torch.zeros(num, dtype=torch.float64, device=logits.device)
+    for rows in _row_chunks((ranked & ~params.by_k).nonzero()[:, 0], vocab):
+        p, part = params.take(rows), _take(logits, rows)
+        sparse = _sparse_weights(part, top[rows], p.inv_t, bits, p.skip_all)
+        total[rows] = (_dense_weights(part, top[rows], p.inv_t, bits).sum(dim=1) if sparse is None else
+                       torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, sparse[0], sparse[2]))
+    left = ranked.nonzero()[:, 0]
+    counts = [c for c in (CANDIDATES, WIDE_CANDIDATES) if (4 if c == WIDE_CANDIDATES else 1) * c < vocab] + [vocab]
+    for count in counts:
+        if not left.numel():
+            return
+        unheld = []
+        for rows in _row_chunks(left, count):
+            ids, kept, held = _ranked(_take(logits, rows), top[rows], params.take(rows), total[rows], count, bits)
+            yield rows[held], ids[held], kept[held]
+            unheld.append(rows[~held])
+        left = torch.cat(unheld)
+
+
 def kept_weights(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
                  min_p: list[float]) -> torch.Tensor:
     """Per row of logits [rows, vocab]: the weights [rows, vocab] (fp64, units of 2^-Q) of the tokens the filters
     keep, 0 elsewhere: the distribution each row draws from, once normalized; a row whose draw is its argmax (a NaN,
-    no finite largest logit, no finite 1 / T) weighs 1 there. Ranks whole rows: for a few rows (the tracer's)."""
+    no finite largest logit, no finite 1 / T) weighs 1 there. The same weights and candidates as sample_rows."""
     logits = logits.float()
     num, vocab = logits.shape
+    dev = logits.device
     bits = draw_bits(vocab)
     top = logits.amax(dim=1)
     params = _Rows(logits, top, temperature, top_k, top_p, min_p, bits)
-    out = torch.zeros(num, vocab, dtype=torch.float64, device=logits.device)
-    everything = torch.arange(num, device=logits.device)
-    for rows in _row_chunks(everything, vocab):
+    out = torch.zeros(num, vocab, dtype=torch.float64, device=dev)
+    weighable = torch.tensor(params.weighable, device=dev)
+    ranked = weighable & (params.by_k | params.by_p)
+    for rows in _row_chunks((weighable & ~ranked).nonzero()[:, 0], vocab):
         p = params.take(rows)
-        total = _weights(logits[rows], top[rows], p.inv_t, bits, p.skip_all).sum(dim=1)
-        out[rows] = _ranked(logits[rows], top[rows], p, total, vocab, bits)[1]
-    for i, weighable in enumerate(params.weighable):
-        if not weighable:
-            out[i] = 0.0
+        w = _weights(_take(logits, rows), top[rows], p.inv_t, bits, p.skip)
+        out[rows] = w.masked_fill_(w < p.least[:, None], 0.0)
+    for rows, ids, kept in _held_candidates(logits, top, params, ranked, bits):
+        out[rows] = torch.zeros(rows.numel(), vocab, dtype=torch.float64, device=dev).scatter_(1, ids, kept)
+    for i, w in enumerate(params.weighable):
+        if not w:
             out[i, logits[i].argmax()] = 1.0
     return out
 
@@ -297,25 +325,6 @@ def sample_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int]
         else:
             at, cols, w = sparse
             tokens[rows] = _walk_sparse(at, cols, w.masked_fill_(w < p.least[at], 0.0), u[rows])
-    left = ranked.nonzero()[:, 0]
-    if not left.numel():
-        return tokens.tolist()
-    # top-p without top-k normalizes over the whole row
-    total = torch.zeros(num, dtype=torch.float64, device=dev)
-    for rows in _row_chunks((ranked & ~params.by_k).nonzero()[:, 0], vocab):
-        p, part = params.take(rows), _take(logits, rows)
-        sparse = _sparse_weights(part, top[rows], p.inv_t, bits, p.skip_all)
-        total[rows] = (_dense_weights(part, top[rows], p.inv_t, bits).sum(dim=1) if sparse is None else
-                       torch.zeros(rows.numel(), dtype=torch.float64).index_add_(0, sparse[0], sparse[2]))
-    counts = [c for c in (CANDIDATES, WIDE_CANDIDATES) if (4 if c == WIDE_CANDIDATES else 1) * c < vocab] + [vocab]
-    for count in counts:
-        unheld = []
-        for rows in _row_chunks(left, count):
-            ids, kept, held = _ranked(_take(logits, rows), top[rows], params.take(rows), total[rows], count, bits)
-            picks = ids.gather(1, _walk(kept, u[rows])[:, None])[:, 0]
-            tokens[rows[held]] = picks[held]
-            unheld.append(rows[~held])
-        left = torch.cat(unheld)
-        if not left.numel():
-            break
+    for rows, ids, kept in _held_candidates(logits, top, params, ranked, bits):
+        tokens[rows] = ids.gather(1, _walk(kept, u[rows])[:, None])[:, 0]
     return tokens.tolist()

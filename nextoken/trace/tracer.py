@@ -98,6 +98,7 @@ class RecordingTracer(NullTracer):
         self.engine: LLMEngine | None = None
         self._passes = PassRecorder(0, self.now, self._from_monotonic, keep_logits=False)  # sized in attach
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._sampled_drafts: bool | None = None  # the speculator's setting, put back on detach
         self._origin = 0.0
         self._monotonic_shift = 0.0  # perf_counter - CLOCK_MONOTONIC (the native calls' clock)
         self._sync = False
@@ -175,7 +176,7 @@ class RecordingTracer(NullTracer):
                 model.probe = None
             if isinstance(self.engine.sampler, _SamplerProbe):
                 self.engine.sampler = self._inner_sampler
-            if self.engine.speculator is not None and hasattr(self, "_sampled_drafts"):
+            if self.engine.speculator is not None and self._sampled_drafts is not None:
                 self.engine.speculator.sampled_drafts = self._sampled_drafts
         self.engine = None
 

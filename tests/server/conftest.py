@@ -7,6 +7,7 @@ the fixture that started it.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -158,3 +159,26 @@ def canary(server: ServerProcess) -> str:
     response = httpx.post(server.base_url + "/completions", json={"model": server.model, **CANARY}, timeout=60)
     assert response.status_code == 200, response.text
     return str(response.json()["choices"][0]["text"])
+
+
+def assert_sigterm_drains(proc: ServerProcess, max_tokens: int) -> None:
+    """SIGTERM during a stream: /health turns 503 at once, a new request gets 503 with Retry-After, the stream runs
+    to its `max_tokens` (usage included) and the server exits 0."""
+    body = {"model": proc.model, "prompt": "the cat", "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", proc.base_url + "/completions", json=body) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        proc.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(proc.url + "/health", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "the server never started draining"
+            time.sleep(0.02)
+        refused = httpx.post(proc.base_url + "/completions", json={"model": proc.model, "prompt": "hi"}, timeout=10)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == max_tokens  # it ran to the end
+    assert proc.proc.wait(60) == 0, proc.log.read_text()[-3000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ROOT, TINY_CONTEXT, ServerProcess, metric, wait_idle
+from tests.server.conftest import ROOT, TINY_CONTEXT, ServerProcess, assert_sigterm_drains, metric, wait_idle
 
 LONG = {"max_tokens": 600, "temperature": 0, "ignore_eos": True}  # 0.3 s or more on the tiny model
 
@@ -49,24 +49,7 @@ def test_client_leaving_a_non_streaming_request_aborts_it(server: ServerProcess)
 
 def test_sigterm_drains_then_exits_zero(tiny_model: Path, spawn_server: Callable[..., ServerProcess]) -> None:
     proc = spawn_server(str(tiny_model), "--kv-cache-bytes", str(16 << 20), "--drain-timeout", "20")
-    body = {"model": proc.model, "prompt": "the cat", "stream": True, "stream_options": {"include_usage": True},
-            **LONG}
-    with httpx.Client(timeout=30) as http, http.stream("POST", proc.url + "/v1/completions", json=body) as r:
-        lines = r.iter_lines()
-        assert next(lines).startswith("data: ")
-        proc.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5
-        while httpx.get(proc.url + "/health", timeout=5).status_code != 503:
-            assert time.monotonic() < deadline, "the server never started draining"
-            time.sleep(0.02)
-        refused = httpx.post(proc.url + "/v1/completions", json={"model": proc.model, "prompt": "hi"}, timeout=5)
-        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
-        events = [line[6:] for line in lines if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["usage"]["completion_tokens"] == LONG["max_tokens"]  # it ran to the end
-    assert proc.proc.wait(20) == 0
+    assert_sigterm_drains(proc, LONG["max_tokens"])
 
 
 def test_non_loopback_bind_needs_a_key_or_an_explicit_flag() -> None:

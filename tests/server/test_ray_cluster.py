@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, assert_sigterm_drains
 
 ray = pytest.importorskip("ray", reason="replicas need the ray extra: pip install 'nextoken[ray]'")
 pytest.importorskip("ray.serve", reason="replicas need the ray extra: pip install 'nextoken[ray]'")
@@ -127,23 +127,7 @@ def test_sigterm_drains_the_replicas_then_exits_zero(cluster: str, tiny_model: P
                            wait=False)
     try:
         server.wait_ready(timeout=120)
-        body = {"model": server.model, "prompt": "the cat", "stream": True, "max_tokens": 600, "temperature": 0,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        with httpx.Client(timeout=60) as http, http.stream("POST", server.base_url + "/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            server.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 10
-            while httpx.get(server.url + "/health", timeout=5).status_code != 503:
-                assert time.monotonic() < deadline, "the server never started draining"
-                time.sleep(0.02)
-            refused = httpx.post(server.base_url + "/completions", json={"model": server.model, "prompt": "hi"},
-                                 timeout=10)
-            assert refused.status_code == 503
-            events = [line[6:] for line in lines if line.startswith("data: ")]
-        assert events[-1] == "[DONE]"
-        assert json.loads(events[-1 - 1])["usage"]["completion_tokens"] == 600  # it ran to the end
-        assert server.proc.wait(60) == 0, server.log.read_text()[-3000:]
+        assert_sigterm_drains(server, 600)
     finally:
         server.stop()
     assert _applications(cluster) == []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -257,31 +258,11 @@ def test_verified_tokens_follow_the_target_distribution(tiny_llama: Path) -> Non
     outs = llm.generate([prompt] * num, params, use_tqdm=False)
     counts = Counter(tuple(o.token_ids) for o in outs)
     assert sum(o.timings["spec_proposed_tokens"] for o in outs) == 2 * num
-    # The target's joint distribution of the three tokens.
-    expected: dict[tuple[int, ...], float] = {}
-    for a in p1.nonzero()[:, 0].tolist():
-        pa = float(p1[a] / p1.sum())
-        w2 = weights(prompt + [a])
-        for b in w2.nonzero()[:, 0].tolist():
-            pb = float(w2[b] / w2.sum())
-            w3 = weights(prompt + [a, b])
-            for c in w3.nonzero()[:, 0].tolist():
-                expected[(a, b, c)] = pa * pb * float(w3[c] / w3.sum())
-    assert set(counts) <= set(expected)
-    cells = sorted(expected)
-    assert sum(expected[c] * num >= 5 for c in cells) >= 20  # a test with power: most cells expected 5 times
-    observed = np.array([counts.get(c, 0) for c in cells], dtype=float)
-    want = np.array([expected[c] for c in cells]) * num
-    big = want >= 5  # cells too rare for the test pooled into one
-    if not big.all():
-        observed = np.append(observed[big], observed[~big].sum())
-        want = np.append(want[big], want[~big].sum())
-    chi2 = stats.chisquare(observed, want * observed.sum() / want.sum())
-    assert chi2.pvalue > 1e-3, chi2
+    assert _chi_square(counts, _joint(weights, prompt), num) > 1e-3
     engine.block_manager.check_integrity(expected_refs={})
 
 
-def _joint(weights, prompt: list[int]) -> dict[tuple[int, ...], float]:  # noqa: ANN001
+def _joint(weights: Callable[[list[int]], torch.Tensor], prompt: list[int]) -> dict[tuple[int, ...], float]:
     """The target's joint distribution of the next three tokens after `prompt`, from weights(ids) [vocab]."""
     expected: dict[tuple[int, ...], float] = {}
     p1 = weights(prompt)
