@@ -192,7 +192,7 @@ def sampling_params(args: argparse.Namespace, inputs: Any, **extra: Any) -> Any:
 
 def load_text_side(model: str) -> Any:
     """The input processor of a model (its tokenizer, chat template and vocabulary) without loading its weights."""
-    from nextoken.engine.engine import load_text_side
+    from nextoken.loader.text_side import load_text_side
     from nextoken.engine.inputs import InputProcessor
     from nextoken.loader.registry import open_model, resolve_model
     from nextoken.models.config import ModelConfig

@@ -8,12 +8,9 @@ that finishes or is aborted gives its KV blocks back in the same call.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import logging
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -27,51 +24,18 @@ from nextoken.engine.inputs import InputProcessor, Limits
 from nextoken.engine.output import TextStream
 from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.runner import ModelRunner
-from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, take_rows
+from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow, prompt_logprobs, sample_isolating, take_rows
 from nextoken.engine.scheduler import Scheduler
-from nextoken.engine.speculative import Speculator, first_rows, sampling_rows
+from nextoken.engine.speculative import Speculator, first_rows, kept_logprobs, sampling_rows
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong
-from nextoken.loader.gguf import GGUFFile
-from nextoken.loader.hf import HFDirectory
-from nextoken.loader.registry import model_name_for, open_model, resolve_model
+from nextoken.loader.registry import model_name_for, no_collection, open_model, resolve_model
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native
 from nextoken.parallel.group import rank_threads, torchrun_rank
 from nextoken.sampling_params import SamplingParams
-from nextoken.tokenizer.chat import ChatTemplate
-from nextoken.tokenizer.tokenizer import Tokenizer
+from nextoken.loader.text_side import load_text_side
 
 log = logging.getLogger("nextoken.engine")
-
-
-def load_text_side(gguf: GGUFFile | HFDirectory, config: ModelConfig) -> tuple[Tokenizer, ChatTemplate]:
-    """A model's tokenizer and chat template (the file's, or the documented fallback), without its weights. A
-    directory's tokenizer is its tokenizer.json itself, not the metadata the view derives from it."""
-    if isinstance(gguf, HFDirectory):
-        tokenizer = Tokenizer.from_hf(gguf.tokenizer_files.spec, gguf.tokenizer_files.json_text)
-    else:
-        tokenizer = Tokenizer.from_gguf(gguf.metadata, source=str(gguf.path))
-
-    def text(token_id: int | None) -> str:
-        return "" if token_id is None else tokenizer.id_to_piece(token_id)
-
-    template = ChatTemplate.for_model(config.chat_template, architecture=config.architecture,
-                                      bos_token=text(config.bos_id), eos_token=text(config.eos_id))
-    return tokenizer, template
-
-
-@contextlib.contextmanager
-def _no_collection() -> Iterator[None]:
-    """The cyclic garbage collector paused: loading allocates about a million small containers (token tables, merge
-    pairs) and frees almost none, so the collections their allocations trigger only rescan them (Gemma 3: about 0.2 s
-    of a fresh load)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 class EngineBusy(NextokenError):
@@ -102,7 +66,7 @@ class LLMEngine:
         self.model_path = resolve_model(config.model)
         self.model_name = model_name_for(self.model_path) if config.model != str(self.model_path) \
             else self.model_path.name if self.model_path.is_dir() else self.model_path.stem
-        with _no_collection():
+        with no_collection():
             gguf = open_model(self.model_path)
             self.model_config = ModelConfig.from_gguf(gguf)
             self.max_model_len = min(config.max_model_len or self.model_config.context_length,
@@ -286,7 +250,7 @@ class LLMEngine:
         elif sampling:
             rows, picked, saved = sampling_rows(scheduled, sampling)  # one more per proposal (speculative.py)
             sampled_logits = take_rows(logits, picked)
-            result, failed = self._sample(sampled_logits, rows)
+            result, failed = sample_isolating(self.sampler, sampled_logits, rows)
         token_for = first_rows(scheduled, sampling)  # item -> its first row in the result
         now = time.perf_counter()
         outputs: list[RequestOutput] = []
@@ -316,7 +280,7 @@ class LLMEngine:
                 row, count, first_pos = span
                 # After a preemption the prompt is recomputed: keep only positions not reported yet.
                 skip = max(0, len(req.prompt_logprobs) - first_pos)
-                top, actual = _prompt_logprobs(logits[row + skip:row + count], req.prompt_ids,
+                top, actual = prompt_logprobs(logits[row + skip:row + count], req.prompt_ids,
                                                first_pos + skip, req.params.prompt_logprobs or 0)
                 req.prompt_logprobs.extend(top)
                 if not req.prompt_token_logprobs:
@@ -330,10 +294,7 @@ class LLMEngine:
                 continue
             try:
                 if kept:
-                    logprobs = [_chosen(lp, token, drawn, sampled_logits[k + j])  # a sampled draft's tokens
-                                for j, (lp, token, drawn) in enumerate(zip(result.logprobs[k:k + len(kept)], kept,
-                                                                           result.token_ids[k:k + len(kept)]))]
-                    outputs.append(self._accept_run(live, kept, logprobs, now))
+                    outputs.append(self._accept_run(live, kept, kept_logprobs(result, k, kept, sampled_logits), now))
                 else:
                     outputs.append(self._accept(live, result.token_ids[k], result.logprobs[k], now))
             except Exception as exc:  # one request's detokenization or stop check must not take the batch down
@@ -382,30 +343,6 @@ class LLMEngine:
                               finished=True, finish_reason=root.finish_reason, num_prompt_tokens=len(root.prompt_ids),
                               num_output_tokens=len(root.output_ids), request=root)]
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[SampleResult, set[int]]:
-        """The rows' tokens, and the indices of rows whose sampling raised. The batch is drawn at once; should that
-        raise, each row is drawn again alone (a seeded one from its generator rewound to this step's start), so one
-        request's failing sampling fails it alone and the others draw what they would have drawn."""
-        try:
-            return self.sampler(logits, rows), set()
-        except Exception as exc:
-            log.error("sampling a batch of %d rows failed (%s); drawing them one at a time", len(rows),
-                      type(exc).__name__)
-        token_ids: list[int] = []
-        logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
-        failed: set[int] = set()
-        for k, row in enumerate(rows):
-            Sampler.rewind(row)
-            try:
-                one = self.sampler(logits[k:k + 1], [row])
-            except Exception as exc:
-                log.error("sampling failed for one request (%s)", type(exc).__name__)
-                failed.add(k)
-                one = SampleResult([0], [None])  # never used: the request fails
-            token_ids.append(one.token_ids[0])
-            logprobs.append(one.logprobs[0])
-        return SampleResult(token_ids, logprobs), failed
-
     def _fail(self, live: _Live) -> RequestOutput:
         """End a request whose processing raised: finish_reason "error", blocks freed, the others go on."""
         req = live.request
@@ -452,31 +389,3 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=len(req.output_ids),
             new_logprobs=[logprob] if logprob is not None else [], request=req)
 
-
-def _prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], first: int, k: int
-                     ) -> tuple[list[list[tuple[int, float]]], list[tuple[float, int]]]:
-    """Rows of prompt positions first.. (row j: the distribution after position first + j) -> each row's top-k
-    (id, log p), and for the rows whose next token is in the prompt, that token's (log p, rank): the teacher-forced
-    scores a perplexity is made of. One batched pass over the rows, no loop over the vocabulary."""
-    if logits.shape[0] == 0:
-        return [], []
-    logp = logits.float().log_softmax(dim=-1)
-    top = logp.topk(max(k, 1), dim=-1)
-    ids, vals = top.indices[:, :k].tolist(), top.values[:, :k].tolist()
-    known = min(logp.shape[0], len(prompt_ids) - 1 - first)  # rows whose next token is a prompt token
-    actual: list[tuple[float, int]] = []
-    if known > 0:
-        nxt = torch.tensor(prompt_ids[first + 1:first + 1 + known], device=logp.device)
-        chosen = logp[:known].gather(1, nxt[:, None])  # [known, 1]
-        ranks = (logp[:known] > chosen).sum(dim=-1) + 1
-        actual = list(zip(chosen[:, 0].tolist(), ranks.tolist()))
-    return [list(zip(i, v)) for i, v in zip(ids, vals)], actual
-
-
-def _chosen(logprob: tuple[float, list[tuple[int, float]]] | None, token: int, drawn: int, row: torch.Tensor
-            ) -> tuple[float, list[tuple[int, float]]] | None:
-    """A row's log-probabilities for `token` where the sampler reported them for the token it drew there (`drawn`):
-    the rejection rule may keep another (engine/rejection.py). The top list does not depend on the token."""
-    if logprob is None or token == drawn:
-        return logprob
-    return float(row.float().log_softmax(-1)[token]), logprob[1]

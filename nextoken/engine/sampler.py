@@ -32,6 +32,7 @@ processors), whatever chose the token.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +42,8 @@ import torch
 from nextoken.engine.processors import apply_processors
 from nextoken.ops import native, sampling
 from nextoken.sampling_params import SamplingParams
+
+log = logging.getLogger("nextoken.engine")
 
 if TYPE_CHECKING:
     from nextoken.engine.grammar import GrammarMatcher
@@ -186,3 +189,49 @@ class Sampler:
             pairs = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
             out.append((chosen, pairs))
         return out
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_ids: list[int], first: int, k: int
+                     ) -> tuple[list[list[tuple[int, float]]], list[tuple[float, int]]]:
+    """Rows of prompt positions first.. (row j: the distribution after position first + j) -> each row's top-k
+    (id, log p), and for the rows whose next token is in the prompt, that token's (log p, rank): the teacher-forced
+    scores a perplexity is made of. One batched pass over the rows, no loop over the vocabulary."""
+    if logits.shape[0] == 0:
+        return [], []
+    logp = logits.float().log_softmax(dim=-1)
+    top = logp.topk(max(k, 1), dim=-1)
+    ids, vals = top.indices[:, :k].tolist(), top.values[:, :k].tolist()
+    known = min(logp.shape[0], len(prompt_ids) - 1 - first)  # rows whose next token is a prompt token
+    actual: list[tuple[float, int]] = []
+    if known > 0:
+        nxt = torch.tensor(prompt_ids[first + 1:first + 1 + known], device=logp.device)
+        chosen = logp[:known].gather(1, nxt[:, None])  # [known, 1]
+        ranks = (logp[:known] > chosen).sum(dim=-1) + 1
+        actual = list(zip(chosen[:, 0].tolist(), ranks.tolist()))
+    return [list(zip(i, v)) for i, v in zip(ids, vals)], actual
+
+
+def sample_isolating(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow]
+                     ) -> tuple[SampleResult, set[int]]:
+    """The rows' tokens, and the indices of rows whose sampling raised. The batch is drawn at once; should that
+    raise, each row is drawn again alone (a seeded one from its generator rewound to this step's start), so one
+    request's failing sampling fails it alone and the others draw what they would have drawn."""
+    try:
+        return sampler(logits, rows), set()
+    except Exception as exc:
+        log.error("sampling a batch of %d rows failed (%s); drawing them one at a time", len(rows),
+                  type(exc).__name__)
+    token_ids: list[int] = []
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = []
+    failed: set[int] = set()
+    for k, row in enumerate(rows):
+        Sampler.rewind(row)
+        try:
+            one = sampler(logits[k:k + 1], [row])
+        except Exception as exc:
+            log.error("sampling failed for one request (%s)", type(exc).__name__)
+            failed.add(k)
+            one = SampleResult([0], [None])  # never used: the request fails
+        token_ids.append(one.token_ids[0])
+        logprobs.append(one.logprobs[0])
+    return SampleResult(token_ids, logprobs), failed

@@ -27,7 +27,7 @@ from nextoken.engine.draft import DraftModel
 from nextoken.engine.rejection import distributions, rejection_rule
 from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
-from nextoken.engine.sampler import Sampler, SamplingRow
+from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow
 from nextoken.engine.scheduler import ScheduledRequest, Scheduler
 from nextoken.engine.spec_policy import (SHADOW_TOKENS, KPolicy, SeqSpec, SpecChoice, StepCosts, calibrate,
                                         num_accepted)
@@ -72,6 +72,20 @@ def first_rows(scheduled: Sequence[ScheduledRequest], sampling: Sequence[tuple[i
     for i, _ in sampling:
         out[i] = at
         at += 1 + len(scheduled[i].spec_ids)
+    return out
+
+
+def kept_logprobs(result: SampleResult, first: int, kept: Sequence[int], logits: torch.Tensor
+                  ) -> list[tuple[float, list[tuple[int, float]]] | None]:
+    """The log-probabilities of the tokens a verified chunk keeps, its rows from `first` in the step's `result` and
+    `logits`: each row's as the sampler reported them, the chosen one recomputed where the rejection rule kept
+    another token than the row drew (engine/rejection.py; the top list does not depend on the token)."""
+    out = []
+    for j, token in enumerate(kept):
+        logprob = result.logprobs[first + j]
+        if logprob is not None and token != result.token_ids[first + j]:
+            logprob = (float(logits[first + j].float().log_softmax(-1)[token]), logprob[1])
+        out.append(logprob)
     return out
 
 

@@ -9,10 +9,13 @@ mtime that were verified, so later loads skip the hash.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,3 +159,17 @@ def model_name_for(path: Path) -> str:
         if path.name == model.filename:
             return model.name
     return path.name if path.is_dir() else path.stem
+
+
+@contextlib.contextmanager
+def no_collection() -> Iterator[None]:
+    """The cyclic garbage collector paused: loading allocates about a million small containers (token tables, merge
+    pairs) and frees almost none, so the collections their allocations trigger only rescan them (Gemma 3: about 0.2 s
+    of a fresh load)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

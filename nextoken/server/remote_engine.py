@@ -75,7 +75,7 @@ class FrontEngine:
     @classmethod
     def build(cls, config: EngineConfig, info: dict[str, Any]) -> FrontEngine:
         """`info`: a replica's `describe()` (its model name, context and KV limits)."""
-        from nextoken.engine.engine import load_text_side
+        from nextoken.loader.text_side import load_text_side
         from nextoken.loader.registry import open_model, resolve_model
         from nextoken.models.config import ModelConfig
 

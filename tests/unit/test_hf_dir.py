@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from nextoken import LLM, SamplingParams
-from nextoken.engine.engine import load_text_side
+from nextoken.loader.text_side import load_text_side
 from nextoken.errors import ModelLoadError
 from nextoken.loader.codec import dequantize
 from nextoken.loader.gguf import read_gguf

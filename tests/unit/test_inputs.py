@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nextoken.engine.engine import load_text_side
+from nextoken.loader.text_side import load_text_side
 from nextoken.engine.inputs import Chat, InputProcessor, Limits, choices, prompt_list
 from nextoken.errors import InvalidInput, NextokenError, PromptTooLong, TemplateError, TokenizerError
 from nextoken.loader.gguf import read_gguf
