@@ -62,12 +62,14 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
                      drop: tuple[str, ...] = (), num_layers: int | None = None,
                      shape: dict[str, int] | None = None, projections: gguf.GGMLQuantizationType | None = None,
                      wrong_shape: tuple[str, int, int] | None = None,
-                     table: gguf.GGMLQuantizationType | None = None) -> Path:
+                     table: gguf.GGMLQuantizationType | None = None, loud_columns: tuple[int, ...] = ()) -> Path:
     """`shape` gives a model of real size with random weights (for speed, not answers): any of hidden, ffn, heads,
     kv_heads, head_dim, layers, context, and vocab (the vocabulary padded with plain tokens up to that size).
     `projections`: a block type the projection weights are stored in (gguf's own quantizer), `table` the same for
     the token table; `wrong_shape`: (a
-    tensor name, an axis, a count), that tensor written with `count` more along the axis."""
+    tensor name, an axis, a count), that tensor written with `count` more along the axis. `loud_columns`: columns
+    of the hidden state whose RMSNorm weights are 8 times the others (as real models have some), so that int8
+    activations have outlier columns to take out."""
     rng = np.random.default_rng(seed)
     overrides = overrides or {}
     hidden, ffn = 64, 128
@@ -158,6 +160,8 @@ def write_tiny_model(path: Path, arch: str = "llama", *, seed: int = 0, override
         if wrong_shape is not None and name == wrong_shape[0]:
             shape = tuple(n + wrong_shape[2] * (axis == wrong_shape[1]) for axis, n in enumerate(shape))
         values = (around + scale * rng.standard_normal(shape)).astype(np.float32)
+        if loud_columns and name.endswith("norm.weight") and len(shape) == 1 and shape[0] == hidden:
+            values[list(loud_columns)] *= 8
         qtype = table if name == "token_embd.weight" else projections if name.startswith("blk.") else None
         if qtype is not None and len(shape) == 2:
             w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)

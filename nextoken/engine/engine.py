@@ -34,6 +34,7 @@ from nextoken.ops import native
 from nextoken.parallel.group import rank_threads, torchrun_rank
 from nextoken.sampling_params import SamplingParams
 from nextoken.loader.text_side import load_text_side
+from nextoken.ops.calibration import CALIBRATION_CHAT
 
 log = logging.getLogger("nextoken.engine")
 
@@ -84,6 +85,8 @@ class LLMEngine:
         self.inputs = InputProcessor(self.tokenizer, self.chat_template, self.model_config.vocab_size,
                                      Limits(self.max_model_len, pool_tokens, config.max_tokens_default),
                                      end_ids=self.model_config.eog_ids)
+        if config.activations == "int8":  # each product's outlier columns fixed once (ops/calibration.py)
+            self.runner.calibrate(self.inputs.render_chat(CALIBRATION_CHAT, add_generation_prompt=False)[1])
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()

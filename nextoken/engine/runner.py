@@ -24,7 +24,7 @@ from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import ModelFile
 from nextoken.models.config import ModelConfig
-from nextoken.ops import native
+from nextoken.ops import calibration, native
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.fused import FusedDecoder, NativeStep
 from nextoken.ops.hugepages import HugePageMove
@@ -100,6 +100,7 @@ class ModelRunner:
         """`tp`: a worker's tensor-parallel group; rank 0 starts its own where `config.tensor_parallel` > 1."""
         self.config = config
         self.model_config = model_config
+        self.model_path = gguf.path
         self.device = resolve_device(config.device)
         self.weights = resolve_weights(config, self.device, gguf)
         self.tp = tp
@@ -300,6 +301,35 @@ class ModelRunner:
         if self.tp is not None:
             self.tp.send(Command.SCORE, payload=ids)
         return self.model(ids, torch.arange(n, device=self.device), pool.layers, meta, modules=modules).float()
+
+    def calibrate(self, token_ids: list[int]) -> None:
+        """Under int8 activations, fix each block product's outlier columns from one exact pass over `token_ids`
+        (ops/calibration.py: cached on disk by model file), so that every product, a decode step's included, takes
+        the int8 GEMM with them and a sequence's numbers do not depend on its batch. Rank 0 has its workers calibrate
+        their shares in the same pass (not cached: the ranks must agree on running it)."""
+        lib = native.library()
+        if self.activations != "int8" or lib is None or not lib.nt_has_vnni512():
+            return
+        formats = f"{self.weights},{self.lm_head},tp{0 if self.tp is None else self.tp.world_size}"
+        path = calibration.cache_path(self.model_path, formats, token_ids) if self.tp is None else None
+        columns = calibration.load_columns(path) if path is not None else None
+        if columns is not None:
+            try:
+                calibration.fix_outliers(self.model, columns)
+                return
+            except ValueError as exc:
+                logger.info("calibration cache %s not used: %s", path, exc)
+        if self.tp is not None:
+            self.tp.send(Command.CALIBRATE, payload=torch.tensor(token_ids, dtype=torch.long))
+        n = len(token_ids)
+        pool, meta = self.score_cache(n)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        with torch.inference_mode(), calibration.recording(self.model) as seen:
+            self.model(ids, torch.arange(n, device=self.device), pool.layers, meta, modules=True)
+        columns = calibration.columns_of(seen)
+        calibration.fix_outliers(self.model, columns)
+        if path is not None:
+            calibration.save_columns(path, columns)
 
     def score_cache(self, num_tokens: int) -> tuple[KVPool, AttentionMetadata]:
         """A private KV pool for one sequence of `num_tokens` and the metadata of its one pass (`score`)."""

@@ -47,9 +47,12 @@ def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
         return None
     parts = [native.Part(p.kind, p.rows, projection.in_features, p.qs.data_ptr(), p.d.data_ptr(),
                          None if p.m is None else p.m.data_ptr()) for p in projection.parts]
+    fixed = projection.fixed_int8 and projection.outliers is not None
     return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts),
                          None if projection.panels is None else projection.panels.data_ptr(),
-                         int(projection.activations == "int8"))
+                         int(projection.activations == "int8"),
+                         projection.outliers.data_ptr() if fixed else None,
+                         projection.outliers.numel() if fixed else -1)
 
 
 def _norm(norm: RMSNorm | None) -> int | None:
@@ -197,6 +200,8 @@ class NativeStep:
             embed_scales=embed.scales.data_ptr(), vocab=embed.num_embeddings, head_kind=head.blocks.kind,
             head_qs=head.blocks.qs.data_ptr(), head_d=head.blocks.d.data_ptr(), head_rows=head.vocab_size,
             head_gemm_rows=HEAD_GEMM_ROWS, head_int8_activations=int(head.activations == "int8"),
+            head_outliers=head.outliers.data_ptr() if head.fixed_int8 and head.outliers is not None else None,
+            head_num_outliers=head.outliers.numel() if head.fixed_int8 and head.outliers is not None else -1,
             threads=torch.get_num_threads())
         # What the plan points into, kept referenced here: the table and head are the model's.
         self._x = self._scratch = torch.empty(0)

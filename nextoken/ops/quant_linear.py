@@ -44,8 +44,10 @@ HEAD_GEMM_ROWS = 16
 TORCH_INT4_MAX_ROWS = 16
 
 # Activations meet the blocks as two levels of int16 codes per 32 values by default: results within fp32 rounding of
-# fp32 over the file's weights. `activations="int8"` takes one level of int8 codes in products of many rows instead,
-# its outlier columns in fp32 (nt_block_gemm8): faster, at SmolLM2 99.2% top-1 agreement with fp32, KL 7.6e-4.
+# fp32 over the file's weights. `activations="int8"` takes one level of int8 codes instead, its outlier columns in
+# fp32 (nt_block_gemm8): faster where compute bounds the products. With the columns fixed by calibration
+# (`outliers`, ops/calibration.py) every product of any number of rows takes it, so that a row's numbers do not
+# depend on its batch; without them, products of many rows choose their own over their rows.
 
 _Q = GGMLQuantizationType
 Q4_TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K)
@@ -150,6 +152,9 @@ class BlockLinear(nn.Module):
         # How activations meet the blocks in the GEMM over them (products of more than max_rows rows, no panels):
         # "int16" codes per 32 values, or "int8" ones (faster, less precise; see nt_block_gemm8).
         self.activations = "int16"
+        # Under "int8", the outlier columns fixed by a calibration pass (int32, ascending; ops/calibration.py): every
+        # product then takes the int8 GEMM whatever its rows, so that a row's numbers do not depend on its batch.
+        self.outliers: torch.Tensor | None = None
         self.lib = native.library()
         # With AVX-512 VNNI the int16 GEMM over the blocks (nt_block_gemm) beats the fp32 one over panels for
         # every batch past the block kernels (measured beside block_gemm_codes in ops/native/gemm.c): no panels are kept.
@@ -205,8 +210,13 @@ class BlockLinear(nn.Module):
         """What the block path reads per weight, scales included."""
         return sum(p.bytes_per_weight * p.rows for p in self.parts) / self.out_features
 
+    @property
+    def fixed_int8(self) -> bool:
+        """Whether every product takes the int8 GEMM with fixed outlier columns (see `outliers`)."""
+        return self.activations == "int8" and self.outliers is not None and self.lib is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gemm = x.shape[0] > self.max_rows
+        gemm = x.shape[0] > self.max_rows or self.fixed_int8
         if self.lib is None:
             if gemm:
                 return F.linear(x, self.dense)
@@ -220,7 +230,7 @@ class BlockLinear(nn.Module):
         at = 0
         for p in self.parts:
             native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows], gemm=gemm,
-                                int8_activations=self.activations == "int8")
+                                int8_activations=self.activations == "int8", outliers=self.outliers)
             at += p.rows
         return out
 
@@ -289,6 +299,7 @@ class Int8GroupHead(nn.Module):
         # How the GEMM over the file's blocks (from HEAD_GEMM_ROWS rows) meets the activations: "int16" or "int8"
         # codes per 32 values, as the projections' (BlockLinear.activations).
         self.activations = "int16"
+        self.outliers: torch.Tensor | None = None  # as BlockLinear's: under "int8", fixed by calibration
         self.lib = native.library()
         self.max_rows = HEAD_NATIVE_MAX_ROWS if self.lib is not None else TORCH_INT4_MAX_ROWS
         if self.lib is not None:
@@ -310,6 +321,12 @@ class Int8GroupHead(nn.Module):
     def bytes_per_weight(self) -> float:
         return self.blocks.bytes_per_weight if self.lib is not None else 2 * (0.5 + 4 / GROUP_SIZE)
 
+    @property
+    def fixed_int8(self) -> bool:
+        """Whether every product over the file's blocks takes the int8 GEMM with fixed outlier columns."""
+        return self.activations == "int8" and self.outliers is not None and self.lib is not None \
+            and self.weight is None
+
     def exact_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """fp32 head rows `ids`: the float weight's, or the exact blocks'."""
         return self.weight[ids] if self.weight is not None else rows_of(self.codes, self.scales, ids)
@@ -319,9 +336,9 @@ class Int8GroupHead(nn.Module):
         where given: a step's logits are tens of MB (Gemma 3 at 64 rows: 67), and a fresh buffer's pages fault in
         at 4 KB each on first write, 15 ms of a 160 ms step."""
         logits = out[:x.shape[0]] if out is not None else torch.empty(x.shape[0], self.vocab_size)
-        if self.lib is not None and self.weight is None and x.shape[0] >= HEAD_GEMM_ROWS:
+        if self.lib is not None and self.weight is None and (x.shape[0] >= HEAD_GEMM_ROWS or self.fixed_int8):
             native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits, gemm=True,
-                                int8_activations=self.activations == "int8")
+                                int8_activations=self.activations == "int8", outliers=self.outliers)
             return logits
         if x.shape[0] > self.max_rows:
             if self.weight is not None:

@@ -46,6 +46,7 @@ class Command(IntEnum):
     COPY_BLOCK = 2  # args: src, dst
     SCORE = 3  # payload: token ids
     INIT = 4  # args: num_blocks
+    CALIBRATE = 5  # payload: token ids (ops/calibration.py)
 
 
 def rank_threads(config: EngineConfig) -> int:

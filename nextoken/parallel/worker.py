@@ -24,6 +24,7 @@ from nextoken.engine.runner import ModelRunner
 from nextoken.loader.registry import open_model, resolve_model
 from nextoken.models.base import CausalLM
 from nextoken.models.config import ModelConfig
+from nextoken.ops import calibration
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.parallel.group import Command, TensorParallelError, TensorParallelGroup, decode_step, rank_threads
 
@@ -65,6 +66,12 @@ def serve_messages(runner: ModelRunner, group: TensorParallelGroup) -> None:
             pool, meta = runner.score_cache(len(payload))
             run_blocks(runner.model, payload.to(runner.device), torch.arange(len(payload), device=runner.device),
                        pool.layers, meta)
+        elif command == Command.CALIBRATE:  # int8 activations' outlier columns of this rank's share
+            pool, meta = runner.score_cache(len(payload))
+            with calibration.recording(runner.model) as seen:
+                run_blocks(runner.model, payload.to(runner.device), torch.arange(len(payload), device=runner.device),
+                           pool.layers, meta)
+            calibration.fix_outliers(runner.model, calibration.columns_of(seen), every_product=False)
         else:
             raise TensorParallelError(f"rank {group.rank}: unexpected message {command.name}")
 

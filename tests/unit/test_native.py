@@ -29,6 +29,7 @@ from nextoken.ops.fused import FusedDecoder
 from nextoken.ops.quant_linear import (NATIVE_MAX_ROWS, Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
                                        BlockWeight, q4_weight, q8_weight)
 from nextoken.ops.quantize import q8_codes, regroup
+from tests.unit.conftest import use_library
 from tests.unit.test_native_fuzz import dequantized
 from tests.unit.test_sampler import grid_frequencies, reference_distribution
 
@@ -44,24 +45,6 @@ def portable(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
 @pytest.fixture(scope="module")
 def avx2(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
     return native.load(native.build(flags=AVX2_FLAGS, cache_dir=tmp_path_factory.mktemp("native")))
-
-
-@pytest.fixture(scope="module")
-def vnni(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """A build that runs the AVX-512 VNNI routes: the host's where the CPU has them, else the same source with
-    those instructions emulated (emulate512.h: SIMDe's headers, which setup installs), so that every machine tests
-    them."""
-    if lib.nt_has_vnni512():
-        return lib
-    emulated = native.load(native.build(flags=native.EMULATED_AVX512_FLAGS))
-    assert emulated.nt_has_vnni512() == 1
-    return emulated
-
-
-def use_library(monkeypatch: pytest.MonkeyPatch, library: ctypes.CDLL) -> None:
-    """Make `library` the one every module built from here on takes (native.library())."""
-    monkeypatch.setattr(native, "_lib", library)
-    monkeypatch.setattr(native, "_tried", True)
 
 
 def q4k_weight(n: int, k: int, gen: torch.Generator) -> BlockWeight:
@@ -314,6 +297,48 @@ def test_int8_activation_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes
             assert ((got - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0], threads)
             assert (got - gemm_out(vnni, part, x, threads)).abs().max() > 100 * bound.max()  # not int16's
     assert OUTLIER_MAX in counts and len(counts) > 3  # the cap reached, and many counts under it
+
+
+def test_int8_gemm_with_fixed_outlier_columns_gives_each_row_its_bits_in_any_batch(vnni: ctypes.CDLL) -> None:
+    """block_matmul(gemm=True, int8_activations=True, outliers=...): with the outlier columns fixed, a row's result
+    is the same bits alone, in 2-4 rows (the kernel that streams the weights as stored) and in a batch of up to 40
+    (the GEMM over panels), on 1-3 threads: within float rounding of the float64 product of the int8 codes without
+    those columns plus the columns' exact products. The fixed columns are not the batch's own choice (one left
+    out, an ordinary one in). Out-of-order, out-of-range or too many columns are refused."""
+    cases = 0
+    for part, w, x in gemm_cases(9, outliers=True):
+        k = x.shape[1]
+        chosen = outlier_columns(x)
+        fixed = torch.cat([chosen[1:], torch.tensor([k // 2])]).unique().sort().values[:OUTLIER_MAX]
+        rest = x.clone()
+        rest[:, fixed] = 0
+        expected = (int8_blocks(rest) @ w.t() + x[:, fixed].double() @ w[:, fixed].t()).float()
+        bound = 1e-6 * (x.abs().double() @ w.abs().t()).float() + 1e-6
+        columns = fixed.to(torch.int32)
+        n = part.qs.shape[0]
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            try:
+                batch = torch.full((x.shape[0], n), float("nan"))
+                native.block_matmul(vnni, part.kind, x, part.qs, part.d, part.m, batch, gemm=True,
+                                    int8_activations=True, outliers=columns)
+                assert ((batch - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0])
+                for rows in range(1, min(4, x.shape[0]) + 1):
+                    for r0 in {0, x.shape[0] - rows}:
+                        few = torch.full((rows, n), float("nan"))
+                        native.block_matmul(vnni, part.kind, x[r0:r0 + rows], part.qs, part.d, part.m, few,
+                                            gemm=True, int8_activations=True, outliers=columns)
+                        assert torch.equal(few, batch[r0:r0 + rows]), (part.kind, tuple(w.shape), rows, threads)
+                        cases += 1
+            finally:
+                torch.set_num_threads(2)
+    assert cases > 500
+    part, _, x = next(gemm_cases(9))
+    out = torch.empty(x.shape[0], part.qs.shape[0])
+    for bad in ([3, 1], [0, 0], [-1], [x.shape[1]], list(range(OUTLIER_MAX + 1))):
+        with pytest.raises(ValueError, match="outlier columns"):
+            native.block_matmul(vnni, part.kind, x, part.qs, part.d, part.m, out, gemm=True, int8_activations=True,
+                                outliers=torch.tensor(bad, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("build", ["vectorized", "portable"])

@@ -46,9 +46,11 @@ def test_every_struct_of_the_header_is_mirrored(layout: dict[str, int]) -> None:
 
 def test_enums_match_the_header(layout: dict[str, int]) -> None:
     python = {f"{prefix}{member.name}": int(member) for enum, prefix in native.ENUMS.items() for member in enum}
-    c_enums = {key: value for key, value in layout.items() if key.startswith("NT_") and key != "NT_MAX_PARTS"}
+    c_enums = {key: value for key, value in layout.items() if key.startswith("NT_")
+               and key not in ("NT_MAX_PARTS", "NT_OUTLIER_MAX")}
     assert python == c_enums
     assert layout["NT_MAX_PARTS"] == native.MAX_PARTS
+    assert layout["NT_OUTLIER_MAX"] == native.OUTLIER_MAX
     assert native.library().nt_isa() in set(native.ISA)
 
 

@@ -24,8 +24,8 @@ import os
 import numpy as np
 import torch
 
-from nextoken.ops.native.interface import (ENUMS, ISA, MAX_PARTS, Activation, Cache, Format, KVKind,  # noqa: F401
-                                          Layer, LayerTime, Matrix, Part, ProfileSlot, Step, _LayoutEntry, layout,
+from nextoken.ops.native.interface import (ENUMS, ISA, MAX_PARTS, OUTLIER_MAX, Activation, Cache,  # noqa: F401
+                                          Format, KVKind, Layer, LayerTime, Matrix, Part, ProfileSlot, Step, _LayoutEntry, layout,
                                           profile_buffer)
 from nextoken.ops.native.build import (EMULATED_AVX512_FLAGS, FLAGS, SANITIZE_FLAGS, SOURCES, WARNINGS,  # noqa: F401
                                        build)
@@ -111,23 +111,33 @@ def _check_blocks(kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
 
 
 def block_matmul(lib: ctypes.CDLL, kind: int, x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor,
-                 m: torch.Tensor | None, out: torch.Tensor, gemm: bool = False, int8_activations: bool = False) -> None:
+                 m: torch.Tensor | None, out: torch.Tensor, gemm: bool = False, int8_activations: bool = False,
+                 outliers: torch.Tensor | None = None) -> None:
     """out [M, N] (a view with unit column stride) = x [M, K] fp32 @ W^T for a block-quantized W [N, K]:
     kind 4 (qs nibbles [N, K / 2], d and m fp16 [N, K / 32]), 5 (as 4, d and m fp32), 8 (qs int8 [N, K], d fp16
     [N, K / 32]) or 6 (qs int8, d fp32 [N, K / 16]); see nt_block_matmul and BLOCK_FORMATS. gemm: through a GEMM
     instead, for batches bound by compute, with no fp32 copy of the weight (nt_block_gemm); with int8_activations,
     where the CPU has AVX-512 VNNI, the GEMM meets the weights with int8 activation codes instead of int16
-    (nt_block_gemm8: faster, less precise)."""
+    (nt_block_gemm8: faster, less precise); `outliers` (int32, ascending): its outlier columns, fixed, where
+    without them each product chooses its own over its rows."""
     _check(x)
     rows, k = x.shape
     _check_blocks(kind, qs, d, m, k, "block_matmul")
     if out.dtype != torch.float32 or out.shape != (rows, qs.shape[0]) or out.stride(-1) != 1:
         raise ValueError(f"block_matmul: out {out.dtype} {tuple(out.shape)} does not fit [{rows}, {qs.shape[0]}] fp32 "
                          "with unit column stride")
-    fn = (lib.nt_block_gemm8 if int8_activations else lib.nt_block_gemm) if gemm else lib.nt_block_matmul
-    if fn(kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
-          None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads()):
-        raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, or out of memory")
+    args = (kind, x.data_ptr(), rows, k, x.stride(0), qs.shape[0], qs.data_ptr(), d.data_ptr(),
+            None if m is None else m.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
+    if gemm and int8_activations:
+        if outliers is not None and (outliers.dtype != torch.int32 or not outliers.is_contiguous()):
+            raise ValueError("block_matmul: outliers must be contiguous int32 columns")
+        status = lib.nt_block_gemm8(*args, None if outliers is None else outliers.data_ptr(),
+                                    -1 if outliers is None else outliers.numel())
+    else:
+        status = (lib.nt_block_gemm if gemm else lib.nt_block_matmul)(*args)
+    if status:
+        raise ValueError(f"block_matmul: input size {k} is not a multiple of 32, outlier columns out of order or "
+                         f"more than {OUTLIER_MAX}, or out of memory")
 
 
 _SIGNATURES["nt_stream_read"] = (ctypes.c_uint64, [_ptr, _ptr, _i64, _i32])
@@ -147,7 +157,7 @@ _SIGNATURES["nt_sgemm"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64
 _SIGNATURES["nt_sgemm_pack"] = (None, [_ptr, _i64, _i64, _ptr, _i32])
 _SIGNATURES["nt_sgemm_packed_size"] = (_i64, [_i64, _i64])
 _SIGNATURES["nt_block_gemm"] = _SIGNATURES["nt_block_matmul"]
-_SIGNATURES["nt_block_gemm8"] = _SIGNATURES["nt_block_matmul"]
+_SIGNATURES["nt_block_gemm8"] = (_SIGNATURES["nt_block_matmul"][0], [*_SIGNATURES["nt_block_matmul"][1], _ptr, _i64])
 
 
 PANEL = 16  # output columns per panel of a packed weight (nt_sgemm_pack)

@@ -16,7 +16,8 @@ static double now(void) {
  * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
  * projections keep no panels); fewer rows take the block kernels (bound by the bytes of the weight). */
 static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
-    const int gemm = M >= gemm_rows;
+    const int fixed = w->int8_activations && w->num_outliers >= 0; /* nt_matrix: every product on nt_block_gemm8 */
+    const int gemm = M >= gemm_rows || fixed;
     if (gemm && w->panels) {
         nt_sgemm(x, M, w->parts[0].k, w->parts[0].k, w->panels, w->n, out, w->n, threads);
         return 0;
@@ -24,8 +25,12 @@ static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];
-        status |= (!gemm ? nt_block_matmul : w->int8_activations ? nt_block_gemm8 : nt_block_gemm)(
-            (int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m, out + at, w->n, threads);
+        if (gemm && w->int8_activations)
+            status |= nt_block_gemm8((int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d, p->m, out + at, w->n,
+                                     threads, w->outliers, w->num_outliers);
+        else
+            status |= (gemm ? nt_block_gemm : nt_block_matmul)((int)p->kind, x, M, p->k, p->k, p->n, p->qs, p->d,
+                                                               p->m, out + at, w->n, threads);
     }
     return status;
 }
@@ -152,9 +157,12 @@ int nt_decode_step(const nt_step *s, const int64_t *ints, int64_t M, int64_t tab
         return -1;
     const int kind = (int)s->head_kind;
     int status;
-    if (M >= s->head_gemm_rows)
-        status = (s->head_int8_activations ? nt_block_gemm8 : nt_block_gemm)(
-            kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits, ldl, threads);
+    if (s->head_int8_activations && (M >= s->head_gemm_rows || s->head_num_outliers >= 0))
+        status = nt_block_gemm8(kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits,
+                                ldl, threads, s->head_outliers, s->head_num_outliers);
+    else if (M >= s->head_gemm_rows)
+        status = nt_block_gemm(kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits,
+                               ldl, threads);
     else
         status = nt_block_matmul(kind, s->x, M, hidden, hidden, s->head_rows, s->head_qs, s->head_d, NULL, logits,
                                  ldl, threads);

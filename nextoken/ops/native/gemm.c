@@ -89,7 +89,7 @@ static __m512i ig_pair_order(int kind) {
  * by their weights dequantized as each panel is widened (the decomposition of LLM.int8()). Teacher-forced through
  * prefill against fp32, byte codes alone: SmolLM2 98.2%, KL 2.6e-3; Gemma 3 98.6%, 1.4e-3. With 8 outlier columns
  * 8.5e-4 / 4.3e-4; with 16 6.9e-4 / 3.3e-4 (99.2% / 99.5%); with 32 (ratio 2) 5.6e-4 / 2.8e-4. */
-#define OUTLIER_MAX 16
+#define OUTLIER_MAX NT_OUTLIER_MAX
 #define OUTLIER_RATIO 3.0f
 
 /* The element of rank k (0-based, ascending) of v [n], which it reorders. */
@@ -358,10 +358,12 @@ static inline __attribute__((always_inline)) void gemm_rows(int kind, int bytes,
 
 /* block_gemm_codes (below) over M rows of x as they are (int16: M rows of codes, both levels of M / 2 rows of out). */
 static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
-                           const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads) {
+                           const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
+                           const int32_t *fixed, int64_t fixed_n) {
     const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups, width = bytes ? 1 : 2;
     int32_t outliers[OUTLIER_MAX];
     int64_t nout = 0;
+    const int chosen = bytes && fixed_n < 0; /* the outlier columns chosen over these rows, else fixed ones */
     const int64_t team = threads > 1 && M > 1 ? threads : 1;
     void *rows = malloc((size_t)(M * K * width + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
                                  groups * (int64_t)sizeof(uint32_t) +
@@ -372,10 +374,17 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     float *colmax = (float *)(skip + groups); /* bytes: [team + 2][K], each thread's maxima, then all's */
     void *codes = bytes ? (void *)(colmax + (team + 2) * K) : (void *)colmax;
     memset(skip, 0, (size_t)groups * sizeof(uint32_t));
+    if (bytes && !chosen) {
+        nout = fixed_n;
+        for (int64_t j = 0; j < nout; j++) {
+            outliers[j] = fixed[j];
+            skip[fixed[j] / QK] |= 1u << (fixed[j] % QK);
+        }
+    }
     const __m512i order = bytes ? _mm512_setzero_si512() : ig_pair_order(kind);
 #pragma omp parallel num_threads(threads) if (team > 1)
     {
-        if (bytes) { /* the columns' largest magnitudes, each thread over the rows it then quantizes (static) */
+        if (chosen) { /* the columns' largest magnitudes, each thread over the rows it then quantizes (static) */
             float *mine = colmax + (int64_t)omp_get_thread_num() * K;
             memset(mine, 0, (size_t)K * sizeof(float));
 #pragma omp for schedule(static)
@@ -442,17 +451,229 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     return failed ? -1 : 0;
 }
 
+/* ------------------------------------------- int8 activations, few rows: the weights streamed as stored */
+
+/* With fixed outlier columns (nt_block_gemm8), decode takes int8 activations too, so its products must give each row
+ * the GEMM's bits. At a few rows the GEMM is bound by widening the weights into panels (16 rows 1 to 2 KB apart per
+ * load): SmolLM2's decode step took 2x the int16 block kernels' time on it. Here the weights are read as stored, 16
+ * rows at a time, and each row's int32 sums per scale group come from vpdpbusd over its codes as they lie (a 64-byte
+ * quad of 4 scale groups, 4 lanes each), a 16 x 16 transpose of the 16 rows' quads then putting rows in lanes, as
+ * gemm_tile has them: from there the float work is gemm_tile's, operation for operation (per scale group one
+ * multiply-add by the product of the scales, Q4's offset one more, then the outlier columns in order), so every
+ * output has the same bits as the GEMM gives it, whatever the rows beside it. */
+#define ROWS8_MAX 4 /* activation rows up to which nt_block_gemm8 takes it */
+
+/* A row's int8 codes (quantize_row8's, natural order) laid out per quad of 4 scale groups: Q4, 128 bytes per 4 groups,
+ * elements 0..15 of each group (16 bytes each) then elements 16..31, the order a quad's nibbles come out by a mask and
+ * by a shift; int8 kinds keep the natural order (a quad: 2 groups of 32 for NT_Q8_HALVES, 4 for NT_Q8 in two
+ * vectors). Missing groups of a last quad are zeros. */
+static void quads_of(int kind, const int8_t *q, int64_t K, int8_t *dst) {
+    const int64_t groups = K / QK;
+    if (!IS_Q4(kind)) {
+        memcpy(dst, q, (size_t)K);
+        memset(dst + K, 0, (size_t)(((groups + 3) / 4) * 128 - K));
+        return;
+    }
+    memset(dst, 0, (size_t)(((groups + 3) / 4) * 128));
+    for (int64_t b = 0; b < groups; b++) {
+        memcpy(dst + (b / 4) * 128 + (b % 4) * 16, q + b * QK, 16);
+        memcpy(dst + (b / 4) * 128 + 64 + (b % 4) * 16, q + b * QK + 16, 16);
+    }
+}
+
+/* Values [0, per_row) of 16 rows' scales from row n0 (rows from N on as zeros), fp16 or (f32) fp32, as dst[v * 16 + i]
+ * = row n0 + i's value v: the layout of gemm_panels' scales, by 16 x 16 transposes. */
+static void scales16(const void *src, int f32, int64_t per_row, int64_t n0, int64_t N, float *dst) {
+    for (int64_t v0 = 0; v0 < per_row; v0 += 16) {
+        const int64_t cnt = per_row - v0 < 16 ? per_row - v0 : 16;
+        const __mmask16 mask = (__mmask16)((1u << cnt) - 1);
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++) {
+            const int64_t n = n0 + i;
+            if (n >= N) r[i] = _mm512_setzero_si512();
+            else if (f32) r[i] = _mm512_castps_si512(_mm512_maskz_loadu_ps(mask, (const float *)src + n * per_row + v0));
+            else r[i] = _mm512_castps_si512(_mm512_cvtph_ps(
+                     _mm256_maskz_loadu_epi16(mask, (const uint16_t *)src + n * per_row + v0)));
+        }
+        transpose16_epi32(r);
+        for (int64_t j = 0; j < cnt; j++) _mm512_storeu_si512(dst + (v0 + j) * 16, r[j]);
+    }
+}
+
+/* Row n's int32 sums over quad `quad` of its codes against activation codes a (quads_of), lanes 4u..4u + 3 holding
+ * scale group 4 * quad + u (int8 kinds: the activations plus 128, less 128 times the weights' sums). */
+static inline __attribute__((always_inline)) __m512i quad_sums(const int kind, const void *qs, int64_t n, int64_t K,
+                                                               int64_t quad, const int8_t *a) {
+    const int64_t groups = K / QK;
+    if (IS_Q4(kind)) {
+        const int64_t have = groups - 4 * quad < 4 ? groups - 4 * quad : 4;
+        const __mmask64 mask = have == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * have)) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(mask, (const uint8_t *)qs + n * (K / 2) + quad * 64);
+        const __m512i nibble = _mm512_set1_epi8(0x0F);
+        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        const __m512i x = _mm512_loadu_si512(a + quad * 128);
+        return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x), hi,
+                                   _mm512_loadu_si512(a + quad * 128 + 64));
+    }
+    const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
+    const int8_t *w = (const int8_t *)qs + n * K;
+    if (kind == NT_Q8_HALVES) { /* 64 codes: 2 groups, 4 halves */
+        const int64_t left = K - quad * 64;
+        const __m512i v = _mm512_maskz_loadu_epi8(left >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << left) - 1,
+                                                  w + quad * 64);
+        const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(a + quad * 64), flip);
+        return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, v),
+                                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v), 7));
+    }
+    __m512i part[2]; /* NT_Q8: 128 codes, 4 groups, as two vectors of 2 groups (8 lanes each) */
+    for (int h = 0; h < 2; h++) {
+        const int64_t at = quad * 128 + h * 64, left = K - at;
+        const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : left <= 0 ? 0 : ((__mmask64)1 << left) - 1;
+        const __m512i v = _mm512_maskz_loadu_epi8(mask, w + (at < K ? at : 0));
+        const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(a + at), flip);
+        part[h] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, v),
+                                   _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v), 7));
+    }
+    /* 128-bit blocks: group 0 in blocks 0-1 of part[0], group 1 in 2-3, groups 2, 3 likewise in part[1] */
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(part[0], part[1], 0x88), _mm512_shuffle_i32x4(part[0], part[1], 0xDD));
+}
+
+/* out rows [0, M) (M <= ROWS8_MAX), columns n0..n0 + 15 (those from N on not written) for weight rows n0.. against
+ * the activations' codes in quads (a: M rows of `stride` bytes), their scales xd and Q4 sums xs [M][groups] and
+ * outlier values xo [M][nout]. */
+static inline __attribute__((always_inline)) void rows8_block(const int kind, const int M, const int8_t *a,
+                                                              int64_t stride, const float *xd, const float *xs,
+                                                              const float *xo, const int32_t *outliers, int64_t nout,
+                                                              int64_t K, int64_t N, const void *qs, const void *d,
+                                                              const void *m, int64_t n0, float *scale, float *offset,
+                                                              float *wout, float *out, int64_t ldo) {
+    const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
+    const int64_t quads = (sg + 3) / 4;
+    if (n0 + 16 < N) { /* the next 16 rows, their scales and offsets: a thread's rows stream from memory */
+        const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, end = (n0 + 32 < N ? n0 + 32 : N);
+        const int64_t scale_bytes = kind == NT_Q8_HALVES || kind == NT_Q4_F32 ? 4 * sg : 2 * sg;
+        for (int64_t b = (n0 + 16) * row_bytes; b < end * row_bytes; b += 64)
+            _mm_prefetch((const char *)qs + b, _MM_HINT_T0);
+        for (int64_t b = (n0 + 16) * scale_bytes; b < end * scale_bytes; b += 64) {
+            _mm_prefetch((const char *)d + b, _MM_HINT_T0);
+            if (IS_Q4(kind)) _mm_prefetch((const char *)m + b, _MM_HINT_T0);
+        }
+    }
+    scales16(d, kind == NT_Q8_HALVES || kind == NT_Q4_F32, sg, n0, N, scale);
+    if (IS_Q4(kind)) scales16(m, kind == NT_Q4_F32, groups, n0, N, offset);
+    /* The outlier columns' weights, as gemm_widen forms them: each code from the 4-byte word of its row holding it
+     * (rows are whole words long, so the word is inside the row), gathered for the 16 rows (from N on, row N - 1's). */
+    const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i rows = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32((int)n0)),
+                                          _mm512_set1_epi32((int)(N - 1)));
+    const __m512i starts = _mm512_mullo_epi32(_mm512_sub_epi32(rows, _mm512_set1_epi32((int)n0)),
+                                              _mm512_set1_epi32((int)row_bytes));
+    const uint8_t *base = (const uint8_t *)qs + n0 * row_bytes;
+    for (int64_t j = 0; j < nout; j++) {
+        const int64_t c = outliers[j], g = c / QK, i = c % QK;
+        const int64_t at = IS_Q4(kind) ? g * 16 + i % 16 : c, shift = 8 * (at % 4);
+        const __m512i words = _mm512_i32gather_epi32(_mm512_add_epi32(starts, _mm512_set1_epi32((int)(at & ~3))),
+                                                     base, 1);
+        const __m512i q = IS_Q4(kind) ? _mm512_and_si512(_mm512_srli_epi32(words, (unsigned)(shift + (i < 16 ? 0 : 4))),
+                                                         _mm512_set1_epi32(0x0F))
+                                      : _mm512_srai_epi32(_mm512_slli_epi32(words, (unsigned)(24 - shift)), 24);
+        __m512 w = _mm512_mul_ps(_mm512_loadu_ps(scale + (halves ? c / 16 : g) * 16), _mm512_cvtepi32_ps(q));
+        if (IS_Q4(kind)) w = _mm512_add_ps(w, _mm512_loadu_ps(offset + g * 16));
+        _mm512_storeu_ps(wout + j * 16, w);
+    }
+    __m512 f[ROWS8_MAX];
+    for (int t = 0; t < M; t++) f[t] = _mm512_setzero_ps();
+    for (int64_t quad = 0; quad < quads; quad++) {
+        for (int t = 0; t < M; t++) {
+            __m512i r[16];
+            for (int64_t i = 0; i < 16; i++)
+                r[i] = n0 + i < N ? quad_sums(kind, qs, n0 + i, K, quad, a + t * stride) : _mm512_setzero_si512();
+            transpose16_epi32(r); /* r[c] lane i: row n0 + i's lane c */
+            for (int64_t u = 0; u < 4 && 4 * quad + u < sg; u++) {
+                const int64_t s = 4 * quad + u, g = halves ? s / 2 : s;
+                const __m512i sums = _mm512_add_epi32(_mm512_add_epi32(r[4 * u], r[4 * u + 1]),
+                                                      _mm512_add_epi32(r[4 * u + 2], r[4 * u + 3]));
+                const __m512 dx = _mm512_set1_ps(xd[t * groups + g]);
+                f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_loadu_ps(scale + s * 16), dx),
+                                       f[t]);
+                if (IS_Q4(kind))
+                    f[t] = _mm512_fmadd_ps(_mm512_loadu_ps(offset + s * 16), _mm512_set1_ps(xs[t * groups + g]), f[t]);
+            }
+        }
+    }
+    const __mmask16 keep = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int t = 0; t < M; t++) {
+        for (int64_t j = 0; j < nout; j++)
+            f[t] = _mm512_fmadd_ps(_mm512_set1_ps(xo[t * nout + j]), _mm512_loadu_ps(wout + j * 16), f[t]);
+        _mm512_mask_storeu_ps(out + t * ldo + n0, keep, f[t]);
+    }
+}
+
+/* nt_block_gemm8 with fixed outlier columns at M <= ROWS8_MAX rows (see rows8_block). */
+static int block_rows8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                       const void *d, const void *m, float *out, int64_t ldo, int threads, const int32_t *outliers,
+                       int64_t nout) {
+    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups;
+    const int64_t stride = ((groups + 3) / 4) * 128;
+    void *block = malloc((size_t)(M * (stride + K) + (2 * M * groups + M * nout) * 4 + groups * 4) + 64);
+    if (!block) return -1;
+    int8_t *a = (int8_t *)block, *natural = a + M * stride;
+    float *xd = (float *)(natural + M * K), *xs = xd + M * groups, *xo = xs + M * groups;
+    uint32_t *skip = (uint32_t *)(xo + M * nout);
+    memset(skip, 0, (size_t)groups * sizeof(uint32_t));
+    for (int64_t j = 0; j < nout; j++) skip[outliers[j] / QK] |= 1u << (outliers[j] % QK);
+    for (int64_t r = 0; r < M; r++) {
+        quantize_row8(x + r * ldx, K, natural + r * K, xd + r * groups, xs + r * groups, 0, nout ? skip : NULL);
+        quads_of(kind, natural + r * K, K, a + r * stride);
+        for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
+    }
+    const int64_t blocks = (N + 15) / 16;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        float *scratch = malloc((size_t)((sg + groups + OUTLIER_MAX) * 16) * sizeof(float) + 64);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!scratch) continue;
+            float *scale = scratch, *offset = scale + sg * 16, *wout = offset + groups * 16;
+#define NT_ROWS8(T)                                                                                                  \
+    if (kind == NT_Q4) rows8_block(NT_Q4, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m, 16 * b, scale,   \
+                                   offset, wout, out, ldo);                                                          \
+    else if (kind == NT_Q4_F32) rows8_block(NT_Q4_F32, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m,     \
+                                            16 * b, scale, offset, wout, out, ldo);                                  \
+    else if (kind == NT_Q8) rows8_block(NT_Q8, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m, 16 * b,     \
+                                        scale, offset, wout, out, ldo);                                              \
+    else rows8_block(NT_Q8_HALVES, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m, 16 * b, scale, offset,  \
+                     wout, out, ldo);
+            switch (M) {
+            case 1: NT_ROWS8(1) break;
+            case 2: NT_ROWS8(2) break;
+            case 3: NT_ROWS8(3) break;
+            default: NT_ROWS8(4) break;
+            }
+#undef NT_ROWS8
+        }
+        free(scratch);
+    }
+    free(block);
+    return failed ? -1 : 0;
+}
+
 /* The GEMM over block weights, with int16 activation codes in two levels (split_levels) or (`bytes`) int8 ones,
  * these without the outlier columns (outlier_columns), whose products are added in fp32. */
 static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
-                            const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads) {
+                            const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
+                            const int32_t *outliers, int64_t num_outliers) {
     if (!bytes) { /* the levels as rows of their own, each pair summed into one output row by gemm_tile */
         float *levels = malloc((size_t)(2 * M * K) * sizeof(float) + 64);
         if (!levels) return -1;
         split_levels(x, M, K, ldx, levels);
         x = levels, M *= 2, ldx = K;
     }
-    const int status = block_gemm_rows(kind, bytes, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+    const int status = block_gemm_rows(kind, bytes, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers,
+                                       num_outliers);
     if (!bytes) free((void *)x);
     return status;
 }
@@ -466,7 +687,7 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
                   const void *d, const void *m, float *out, int64_t ldo, int threads) {
     if (!KNOWN_KIND(kind) || K % QK) return -1;
 #ifdef NT_VNNI512
-    return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+    return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
 #endif
     const int64_t panels = (N + SG_COLS - 1) / SG_COLS;
     int failed = 0;
@@ -496,12 +717,21 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
  * 64 rows 1.33x. The activations' step is absmax / 127 per 32 values where int16 codes keep it 258 times finer:
  * teacher-forced top-1 agreement with the reference 99.2% for SmolLM2 and 98.9% for Gemma 3, KL 6.8e-4 / 3.6e-4,
  * where int16 gives 100% (transformers in bf16: 98.4% / 97.8%, KL 1.4e-3 / 5.6e-4). Elsewhere the same as
- * nt_block_gemm. */
+ * nt_block_gemm. outliers [num_outliers] (ascending, each below K, at most NT_OUTLIER_MAX): the outlier columns,
+ * fixed, so that each row's result depends on that row alone (gemm_tile's arithmetic per row does not depend on the
+ * rows beside it); num_outliers -1: chosen over the M rows. */
 int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                   const void *d, const void *m, float *out, int64_t ldo, int threads) {
+                   const void *d, const void *m, float *out, int64_t ldo, int threads, const int32_t *outliers,
+                   int64_t num_outliers) {
+    if (M < 0 || num_outliers > NT_OUTLIER_MAX || (num_outliers > 0 && !outliers)) return -1;
+    for (int64_t j = 0; j < num_outliers; j++)
+        if (outliers[j] < 0 || outliers[j] >= K || (j && outliers[j] <= outliers[j - 1])) return -1;
 #ifdef NT_VNNI512
     if (!KNOWN_KIND(kind) || K % QK) return -1;
-    return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+    if (M == 0) return 0;
+    if (num_outliers >= 0 && M <= ROWS8_MAX)
+        return block_rows8(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
+    return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
 #else
     return nt_block_gemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #endif

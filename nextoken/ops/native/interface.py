@@ -74,13 +74,14 @@ class Part(ctypes.Structure):
 
 
 MAX_PARTS = 4  # NT_MAX_PARTS
+OUTLIER_MAX = 16  # NT_OUTLIER_MAX: int8 activations' outlier columns per product at most
 
 
 class Matrix(ctypes.Structure):
     """A projection as stacked parts (nt_matrix)."""
 
     _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS), ("panels", _ptr),
-                ("int8_activations", _i64)]
+                ("int8_activations", _i64), ("outliers", _ptr), ("num_outliers", _i64)]
 
 
 class Layer(ctypes.Structure):
@@ -114,7 +115,8 @@ class Step(ctypes.Structure):
                 ("x", _ptr), ("max_rows", _i64), ("gemm_rows", _i64), ("final_norm", _ptr), ("final_eps", _f32),
                 ("embed_scale", _f32), ("embed_codes", _ptr), ("embed_scales", _ptr), ("vocab", _i64),
                 ("head_kind", _i64), ("head_qs", _ptr), ("head_d", _ptr), ("head_rows", _i64),
-                ("head_gemm_rows", _i64), ("head_int8_activations", _i64), ("threads", _i64), ("profile", _ptr)]
+                ("head_gemm_rows", _i64), ("head_int8_activations", _i64), ("head_outliers", _ptr),
+                ("head_num_outliers", _i64), ("threads", _i64), ("profile", _ptr)]
 
 
 class _LayoutEntry(ctypes.Structure):

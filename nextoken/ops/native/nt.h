@@ -85,6 +85,11 @@ typedef struct {
     nt_part parts[NT_MAX_PARTS];
     const float *panels;
     int64_t int8_activations; /* products of many rows over the blocks by nt_block_gemm8 */
+    /* int8 activations' outlier columns, fixed (ascending, at most NT_OUTLIER_MAX): every product then takes
+     * nt_block_gemm8 with them, whatever its rows, so that a row's numbers do not depend on its batch. num_outliers
+     * -1: chosen over each product's rows, and few rows take the block kernels. */
+    const int32_t *outliers;
+    int64_t num_outliers;
 } nt_matrix;
 
 /* One decoder block's shape, weights and norms. */
@@ -122,6 +127,8 @@ typedef struct {
     int64_t head_rows;
     int64_t head_gemm_rows; /* rows from which the head takes the GEMM over its blocks */
     int64_t head_int8_activations;
+    const int32_t *head_outliers; /* as nt_matrix's outliers, for the head */
+    int64_t head_num_outliers;
     int64_t threads;
     double *profile; /* null, or a profile of NT_PROFILE_LAYERS + NT_LAYER_TIMES * num_layers doubles */
 } nt_step;
@@ -157,8 +164,11 @@ NT_API int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64
                            const void *d, const void *m, float *out, int64_t ldo, int threads);
 NT_API int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                          const void *d, const void *m, float *out, int64_t ldo, int threads);
+/* int8 activations' outlier columns (nt_block_gemm8) per product at most */
+#define NT_OUTLIER_MAX 16
 NT_API int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                          const void *d, const void *m, float *out, int64_t ldo, int threads);
+                          const void *d, const void *m, float *out, int64_t ldo, int threads,
+                          const int32_t *outliers, int64_t num_outliers);
 NT_API int64_t nt_sgemm_packed_size(int64_t N, int64_t K);
 NT_API void nt_sgemm_pack(const float *w, int64_t N, int64_t K, float *packed, int threads);
 NT_API int nt_sgemm_pack_blocks(int kind, const void *qs, const void *d, const void *m, int64_t N, int64_t K,

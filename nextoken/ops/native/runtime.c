@@ -81,6 +81,8 @@ const nt_layout_entry *nt_layout(void) {
         {"nt_matrix.parts", offsetof(nt_matrix, parts)},
         {"nt_matrix.panels", offsetof(nt_matrix, panels)},
         {"nt_matrix.int8_activations", offsetof(nt_matrix, int8_activations)},
+        {"nt_matrix.outliers", offsetof(nt_matrix, outliers)},
+        {"nt_matrix.num_outliers", offsetof(nt_matrix, num_outliers)},
         {"sizeof nt_layer", sizeof(nt_layer)},
         {"nt_layer.hidden", offsetof(nt_layer, hidden)},
         {"nt_layer.heads", offsetof(nt_layer, heads)},
@@ -126,6 +128,8 @@ const nt_layout_entry *nt_layout(void) {
         {"nt_step.head_rows", offsetof(nt_step, head_rows)},
         {"nt_step.head_gemm_rows", offsetof(nt_step, head_gemm_rows)},
         {"nt_step.head_int8_activations", offsetof(nt_step, head_int8_activations)},
+        {"nt_step.head_outliers", offsetof(nt_step, head_outliers)},
+        {"nt_step.head_num_outliers", offsetof(nt_step, head_num_outliers)},
         {"nt_step.threads", offsetof(nt_step, threads)},
         {"nt_step.profile", offsetof(nt_step, profile)},
         {"sizeof nt_layout_entry", sizeof(nt_layout_entry)},
@@ -152,6 +156,7 @@ const nt_layout_entry *nt_layout(void) {
         {"NT_LAYER_BLOCK", NT_LAYER_BLOCK},
         {"NT_LAYER_TIMES", NT_LAYER_TIMES},
         {"NT_MAX_PARTS", NT_MAX_PARTS},
+        {"NT_OUTLIER_MAX", NT_OUTLIER_MAX},
         {NULL, 0},
     };
     return entries;
