@@ -2,7 +2,8 @@
 nextoken's fp32 route (fp32 weights, head and KV cache, which the tests hold to the reference) and the mean KL from
 it, over the reference prompts with their continuations and one long prompt (the reference prompts joined, past
 Gemma 3's 512-token window). Rows: the default formats (int16 activation codes), `--activations int8` (its outlier
-columns fixed by the calibration pass, as every engine runs it), and transformers' own forward of the same file in
+columns fixed by the calibration pass, as every engine runs it), the same with each product choosing its columns
+over its own rows (a prompt scored alone: what fixing them costs), and transformers' own forward of the same file in
 bf16 (the precision most users run it in).
 
 Run: .venv/bin/python -m benchmarks.activation_quality [--models smollm2 gemma3] [--long 800]
@@ -18,7 +19,7 @@ import torch
 from benchmarks.common import describe_machine
 from nextoken import LLM
 from nextoken.check import kl_rows
-from nextoken.ops import native
+from nextoken.ops import calibration, native
 from tests.conftest import REAL_MODELS, load_reference
 
 
@@ -61,8 +62,14 @@ def main() -> None:
         del fp32
         gc.collect()
         rows = {}
-        for name, options in (("default (int16 activations)", {}), ("--activations int8", {"activations": "int8"})):
+        for name, options in (("default (int16 activations)", {}), ("--activations int8", {"activations": "int8"}),
+                              ("int8, columns per product", {"activations": "int8"})):
             llm = LLM(path, device="cpu", enable_prefix_caching=False, **options)
+            if name.endswith("per product"):  # each product choosing its columns over its own rows, as before
+                model = llm.engine.runner.model
+                for module in calibration.block_products(model).values():
+                    module.outliers = None
+                model.set_activations("int8")
             rows[name] = [llm.engine.runner.score(s).double().log_softmax(-1) for s in seqs]
             del llm
             gc.collect()

@@ -106,3 +106,23 @@ def test_fresh_processes_and_a_loaded_cpu_give_the_same_bits() -> None:
     from nextoken import LLM
     llm = LLM(REAL_MODELS["smollm2"], kv_cache_bytes=TEST_KV_BYTES)
     assert fingerprint(llm, prompts("smollm2")[:-1]) == runs[0]["smollm2/default"]
+
+
+@pytest.mark.parametrize("model", list(REAL_MODELS))
+def test_int8_activations_give_each_prompt_its_bits_in_a_batch(model: str) -> None:
+    """Under `activations="int8"` each product's outlier columns are fixed at load (ops/calibration.py), so the
+    reference prompts' greedy tokens, their top-5 log-probabilities and their prompts' top-5 are the same bits when
+    the prompts run alone (decode on the kernel for a few rows) and together with the long prompt (a prefill of about 800
+    rows and decode steps of 4, on the GEMM)."""
+    from nextoken import LLM
+
+    llm = LLM(REAL_MODELS[model], activations="int8", kv_cache_bytes=TEST_KV_BYTES, enable_prefix_caching=False)
+    ids = prompts(model)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5)
+
+    def numbers(outputs: list) -> list:  # noqa: ANN001
+        return [(o.token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outputs]
+
+    alone = [numbers(llm.generate([p], params, use_tqdm=False))[0] for p in ids[:-1]]
+    together = numbers(llm.generate(ids, params, use_tqdm=False))
+    assert together[:-1] == alone

@@ -462,6 +462,12 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
  * multiply-add by the product of the scales, Q4's offset one more, then the outlier columns in order), so every
  * output has the same bits as the GEMM gives it, whatever the rows beside it. */
 #define ROWS8_MAX 4 /* activation rows up to which nt_block_gemm8 takes it */
+#ifndef ROWS8_AHEAD
+#define ROWS8_AHEAD 1
+#endif
+#ifndef ROWS8_HINT
+#define ROWS8_HINT _MM_HINT_T0
+#endif
 
 /* A row's int8 codes (quantize_row8's, natural order) laid out per quad of 4 scale groups: Q4, 128 bytes per 4 groups,
  * elements 0..15 of each group (16 bytes each) then elements 16..31, the order a quad's nibbles come out by a mask and
@@ -500,8 +506,15 @@ static void scales16(const void *src, int f32, int64_t per_row, int64_t n0, int6
     }
 }
 
+/* Sums of 4 products of signed weight codes w and activation codes x (-127..127) per 32-bit lane: |w| (unsigned)
+ * against x with w's sign, in one vpdpbusd. */
+static inline __m512i signed_sums(__m512i w, __m512i x) {
+    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), signed_x);
+}
+
 /* Row n's int32 sums over quad `quad` of its codes against activation codes a (quads_of), lanes 4u..4u + 3 holding
- * scale group 4 * quad + u (int8 kinds: the activations plus 128, less 128 times the weights' sums). */
+ * scale group 4 * quad + u. */
 static inline __attribute__((always_inline)) __m512i quad_sums(const int kind, const void *qs, int64_t n, int64_t K,
                                                                int64_t quad, const int8_t *a) {
     const int64_t groups = K / QK;
@@ -515,24 +528,18 @@ static inline __attribute__((always_inline)) __m512i quad_sums(const int kind, c
         return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x), hi,
                                    _mm512_loadu_si512(a + quad * 128 + 64));
     }
-    const __m512i ones = _mm512_set1_epi8(1), flip = _mm512_set1_epi8((char)0x80);
     const int8_t *w = (const int8_t *)qs + n * K;
     if (kind == NT_Q8_HALVES) { /* 64 codes: 2 groups, 4 halves */
         const int64_t left = K - quad * 64;
         const __m512i v = _mm512_maskz_loadu_epi8(left >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << left) - 1,
                                                   w + quad * 64);
-        const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(a + quad * 64), flip);
-        return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, v),
-                                _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v), 7));
+        return signed_sums(v, _mm512_loadu_si512(a + quad * 64));
     }
     __m512i part[2]; /* NT_Q8: 128 codes, 4 groups, as two vectors of 2 groups (8 lanes each) */
     for (int h = 0; h < 2; h++) {
         const int64_t at = quad * 128 + h * 64, left = K - at;
         const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : left <= 0 ? 0 : ((__mmask64)1 << left) - 1;
-        const __m512i v = _mm512_maskz_loadu_epi8(mask, w + (at < K ? at : 0));
-        const __m512i x = _mm512_xor_si512(_mm512_loadu_si512(a + at), flip);
-        part[h] = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, v),
-                                   _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v), 7));
+        part[h] = signed_sums(_mm512_maskz_loadu_epi8(mask, w + (at < K ? at : 0)), _mm512_loadu_si512(a + at));
     }
     /* 128-bit blocks: group 0 in blocks 0-1 of part[0], group 1 in 2-3, groups 2, 3 likewise in part[1] */
     return _mm512_add_epi32(_mm512_shuffle_i32x4(part[0], part[1], 0x88), _mm512_shuffle_i32x4(part[0], part[1], 0xDD));
@@ -549,35 +556,36 @@ static inline __attribute__((always_inline)) void rows8_block(const int kind, co
                                                               float *wout, float *out, int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
     const int64_t quads = (sg + 3) / 4;
-    if (n0 + 16 < N) { /* the next 16 rows, their scales and offsets: a thread's rows stream from memory */
-        const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, end = (n0 + 32 < N ? n0 + 32 : N);
+    if (n0 + 16 * ROWS8_AHEAD < N) { /* rows ahead, their scales and offsets: a thread's rows stream from memory */
+        const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, from = n0 + 16 * ROWS8_AHEAD;
+        const int64_t end = from + 16 < N ? from + 16 : N;
         const int64_t scale_bytes = kind == NT_Q8_HALVES || kind == NT_Q4_F32 ? 4 * sg : 2 * sg;
-        for (int64_t b = (n0 + 16) * row_bytes; b < end * row_bytes; b += 64)
-            _mm_prefetch((const char *)qs + b, _MM_HINT_T0);
-        for (int64_t b = (n0 + 16) * scale_bytes; b < end * scale_bytes; b += 64) {
-            _mm_prefetch((const char *)d + b, _MM_HINT_T0);
-            if (IS_Q4(kind)) _mm_prefetch((const char *)m + b, _MM_HINT_T0);
+        for (int64_t b = from * row_bytes; b < end * row_bytes; b += 64)
+            _mm_prefetch((const char *)qs + b, ROWS8_HINT);
+        for (int64_t b = from * scale_bytes; b < end * scale_bytes; b += 64) {
+            _mm_prefetch((const char *)d + b, ROWS8_HINT);
+            if (IS_Q4(kind)) _mm_prefetch((const char *)m + b, ROWS8_HINT);
         }
     }
     scales16(d, kind == NT_Q8_HALVES || kind == NT_Q4_F32, sg, n0, N, scale);
     if (IS_Q4(kind)) scales16(m, kind == NT_Q4_F32, groups, n0, N, offset);
-    /* The outlier columns' weights, as gemm_widen forms them: each code from the 4-byte word of its row holding it
-     * (rows are whole words long, so the word is inside the row), gathered for the 16 rows (from N on, row N - 1's). */
+    /* The outlier columns' weights, as gemm_widen forms them: the bytes holding their codes, row by row (rows from
+     * N on repeat row N - 1), as [outlier][16 rows], then per outlier one vector of 16 codes. */
     const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K;
-    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i rows = _mm512_min_epi32(_mm512_add_epi32(lane, _mm512_set1_epi32((int)n0)),
-                                          _mm512_set1_epi32((int)(N - 1)));
-    const __m512i starts = _mm512_mullo_epi32(_mm512_sub_epi32(rows, _mm512_set1_epi32((int)n0)),
-                                              _mm512_set1_epi32((int)row_bytes));
-    const uint8_t *base = (const uint8_t *)qs + n0 * row_bytes;
+    uint8_t bytes[OUTLIER_MAX][16];
+    int32_t pos[OUTLIER_MAX];
+    for (int64_t j = 0; j < nout; j++)
+        pos[j] = IS_Q4(kind) ? (outliers[j] / QK) * 16 + (outliers[j] % QK) % 16 : outliers[j];
+    for (int64_t r = 0; r < 16; r++) {
+        const uint8_t *row = (const uint8_t *)qs + (n0 + r < N ? n0 + r : N - 1) * row_bytes;
+        for (int64_t j = 0; j < nout; j++) bytes[j][r] = row[pos[j]];
+    }
     for (int64_t j = 0; j < nout; j++) {
         const int64_t c = outliers[j], g = c / QK, i = c % QK;
-        const int64_t at = IS_Q4(kind) ? g * 16 + i % 16 : c, shift = 8 * (at % 4);
-        const __m512i words = _mm512_i32gather_epi32(_mm512_add_epi32(starts, _mm512_set1_epi32((int)(at & ~3))),
-                                                     base, 1);
-        const __m512i q = IS_Q4(kind) ? _mm512_and_si512(_mm512_srli_epi32(words, (unsigned)(shift + (i < 16 ? 0 : 4))),
+        const __m128i b = _mm_loadu_si128((const __m128i *)bytes[j]);
+        const __m512i q = IS_Q4(kind) ? _mm512_and_si512(_mm512_srli_epi32(_mm512_cvtepu8_epi32(b), i < 16 ? 0 : 4),
                                                          _mm512_set1_epi32(0x0F))
-                                      : _mm512_srai_epi32(_mm512_slli_epi32(words, (unsigned)(24 - shift)), 24);
+                                      : _mm512_cvtepi8_epi32(b);
         __m512 w = _mm512_mul_ps(_mm512_loadu_ps(scale + (halves ? c / 16 : g) * 16), _mm512_cvtepi32_ps(q));
         if (IS_Q4(kind)) w = _mm512_add_ps(w, _mm512_loadu_ps(offset + g * 16));
         _mm512_storeu_ps(wout + j * 16, w);
