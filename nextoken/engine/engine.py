@@ -237,7 +237,7 @@ class LLMEngine:
                                    i.num_new_tokens + len(i.spec_ids)) for i in scheduled]
         if self.speculator is not None:
             for req in self.scheduler.running:
-                req.spec_ids = []  # taken into this step's chunks, or dropped
+                req.spec_ids, req.spec_rule = [], None  # taken into this step's chunks, or dropped
         if not scheduled:
             return []
         started = time.perf_counter()

@@ -15,6 +15,7 @@ p and q are the distributions the sampler's draw defines (engine/sampler.py, ste
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -45,15 +46,41 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(at, probs.numel() - 1)
 
 
+@dataclass(frozen=True)
+class Decision:
+    """One proposal x under the rule: p(x), q(x), and the uniform u drawn for it (kept iff u q(x) < p(x))."""
+
+    p: float
+    q: float
+    u: float
+
+    @property
+    def kept(self) -> bool:
+        return self.u * self.q < self.p
+
+
+@dataclass(frozen=True)
+class RuleTrail:
+    """A verifying step under the rule, as a tracer reads it: each examined proposal's decision, the token the step
+    ends with, and whether that came from the residual (at a rejection) or is the last row's own draw."""
+
+    decisions: list[Decision]
+    last: int
+    residual: bool
+
+
 def rejection_rule(proposals: Sequence[int], q: Sequence[torch.Tensor], p: torch.Tensor,
-           generator: torch.Generator) -> tuple[int, int | None]:
+                   generator: torch.Generator, decisions: list[Decision] | None = None) -> tuple[int, int | None]:
     """The rejection rule over proposals x_1..x_k drawn from q[j] [vocab] each, given the target's p [k + 1, vocab]
     (row j at proposal j's position, row k after the last). -> (proposals accepted, the token drawn from the residual
-    at the first rejected one, or None where all were accepted: the next token is then a plain draw from p[k])."""
+    at the first rejected one, or None where all were accepted: the next token is then a plain draw from p[k]).
+    `decisions`: where given, each examined proposal's Decision is appended (a tracer reads them)."""
     for j, x in enumerate(proposals):
-        px, qx = float(p[j, x]), float(q[j][x])
-        u = float(torch.rand(1, dtype=torch.float64, generator=generator))
-        if u * qx < px:  # u < p(x) / q(x): always where p(x) >= q(x)
+        decision = Decision(float(p[j, x]), float(q[j][x]), float(torch.rand(1, dtype=torch.float64,
+                                                                             generator=generator)))
+        if decisions is not None:
+            decisions.append(decision)
+        if decision.kept:  # u < p(x) / q(x): always where p(x) >= q(x)
             continue
         residual = torch.clamp(p[j] - q[j], min=0.0)
         if not float(residual.sum()) > 0.0:  # p == q up to rounding: nothing left over to draw from but p

@@ -70,6 +70,8 @@ class Request:
         self.spec_ids: list[int] = []
         # A sampled draft's distribution for each of spec_ids (engine/rejection.py); empty for other proposals.
         self.spec_q: list[Any] = []
+        # The last verifying step's rejection rule (engine/rejection.RuleTrail; None: the one-hot rule), for a tracer.
+        self.spec_rule: Any = None
         self.spec_state: Any = None
 
     @property

@@ -24,7 +24,7 @@ import torch
 
 from nextoken.config import EngineConfig
 from nextoken.engine.draft import DraftModel
-from nextoken.engine.rejection import distributions, rejection_rule
+from nextoken.engine.rejection import Decision, RuleTrail, distributions, rejection_rule
 from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import SampleResult, Sampler, SamplingRow
@@ -106,9 +106,6 @@ class Speculator:
         self.costs = costs
         self.policy = KPolicy(costs, max_k)
         self.draft = draft  # proposals from a draft model (engine/draft.py), else prompt lookup
-        # Whether a draft draws unseeded sampled requests' proposals from its distribution (engine/rejection.py);
-        # False: greedy proposals for every request (the trace, which judges proposals by its rows' draws).
-        self.sampled_drafts = True
         # Unseeded sampled requests' draft draws and rejection tests (engine/rejection.py) draw from this.
         self.generator = torch.Generator()
         self.generator.seed()
@@ -209,8 +206,7 @@ class Speculator:
         for req, k in zip(decoding, ks):
             if k and req.spec_state.probing:
                 req.spec_state.probe_seconds += self._probe_cost(req, per_token)
-        for req, proposal in zip(decoding, self.draft.propose(decoding, ks,
-                                                              self.generator if self.sampled_drafts else None)):
+        for req, proposal in zip(decoding, self.draft.propose(decoding, ks, self.generator)):
             req.spec_ids = proposal
 
     def _probe_cost(self, req: Request, per_token: float) -> float:
@@ -244,10 +240,13 @@ class Speculator:
         if len(q) == len(item.spec_ids):
             span = slice(first, first + count)
             p = distributions(Sampler.processed(logits[span], list(rows[span])), [req.params] * count)
-            accepted, residual = rejection_rule(item.spec_ids, q, p, self.generator)
+            decisions: list[Decision] = []
+            accepted, residual = rejection_rule(item.spec_ids, q, p, self.generator, decisions)
             kept = list(item.spec_ids[:accepted]) + [drawn[-1] if residual is None else residual]
+            req.spec_rule = RuleTrail(decisions, kept[-1], residual is not None)
         else:
             kept = list(drawn[:num_accepted(item.spec_ids, drawn) + 1])
+            req.spec_rule = None
         scheduler.advance(item, count - len(kept))
         if saved is not None and req.generator is not None:
             restore_generator(req.generator, saved, len(kept))

@@ -4,10 +4,14 @@ accepted or rejected, and why.
 A step's proposals x_1..x_k are verified by rows 0..k of one pass: row j is sampled as plain decoding would sample
 it after x_1..x_j, and x_(j+1) is accepted while it equals row j's draw (engine/speculative.py). So a proposal's
 verdict is its row's draw: accepted (the target drew it: under sampling it had probability p(x) of that), rejected
-(the target drew another token, which the step keeps instead), or unchecked (a proposal before it was rejected). A
-step that proposed nothing says why: no earlier n-gram matched, the policy held its offer back as not worth the
-pass, or max_tokens or the context left no room. Built from what the tracer saw at the sampler (`SpecRecord.build`),
-never from the engine's own bookkeeping, so a trace checks the engine rather than repeats it.
+(the target drew another token, which the step keeps instead), or unchecked (a proposal before it was rejected).
+Proposals a draft drew from its own distribution q (unseeded sampling) meet the rejection rule instead
+(engine/rejection.py): x is kept where the uniform u drawn for it has u q(x) < p(x), and at the first rejection the
+step draws its token from the residual max(0, p - q). Their verdicts show p(x) (from the trace's own rows), q(x) and
+u as the engine drew them. A step that proposed nothing says why: no earlier n-gram matched, the policy held its
+offer back as not worth the pass, or max_tokens or the context left no room. Built from what the tracer saw at the
+sampler (`SpecRecord.build`), never from the engine's own bookkeeping (but for the rule's q and u), so a trace
+checks the engine rather than repeats it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from nextoken.engine.rejection import RuleTrail
 from nextoken.engine.spec_policy import SpecChoice
 from nextoken.trace.probs import SampleRecord
 
@@ -33,9 +38,12 @@ class Verdict:
     # Its probability at the row: under the distribution drawn from (the chance of its acceptance), or for greedy
     # rows, whose draw is the argmax, the model's own (softmax of the logits).
     target_prob: float
-    drawn_id: int  # what the row drew
+    drawn_id: int  # what the row drew (under the rejection rule: what the step kept there)
     drawn_prob: float
     status: str  # "accepted" | "rejected" | "unchecked"
+    # Under the rejection rule: the draft's probability of the proposal, and the uniform drawn for it.
+    draft_prob: float | None = None
+    uniform: float | None = None
 
 
 @dataclass
@@ -53,20 +61,33 @@ class SpecRecord:
     def num_accepted(self) -> int:
         return sum(v.status == "accepted" for v in self.verdicts)
 
+    @property
+    def sampled(self) -> bool:
+        """Whether the proposals met the rejection rule (drawn from a draft's distribution)."""
+        return any(v.draft_prob is not None for v in self.verdicts)
+
     @classmethod
     def build(cls, proposer: str, choice: SpecChoice | None, match: tuple[int, int] | None,
-              rows: list[SampleRecord], proposed: list[int], greedy: bool) -> SpecRecord:
+              rows: list[SampleRecord], proposed: list[int], greedy: bool,
+              trail: RuleTrail | None = None) -> SpecRecord:
         """From the step's sampled rows of this request (row 0, then one per proposal; each with `probs_of` its
-        proposal) and the proposals."""
+        proposal; under the rejection rule, rows 0..m describe the tokens the step kept) and the proposals, with the
+        rule's decisions where it applied (`trail`)."""
         assert len(rows) == len(proposed) + 1
         verdicts: list[Verdict] = []
         rejected = False
-        for x, row in zip(proposed, rows):
-            status = "unchecked" if rejected else "accepted" if row.token_id == x else "rejected"
+        for j, (x, row) in enumerate(zip(proposed, rows)):
+            decision = trail.decisions[j] if trail is not None and j < len(trail.decisions) else None
+            if trail is not None:
+                status = "unchecked" if rejected or decision is None else "accepted" if decision.kept else "rejected"
+            else:
+                status = "unchecked" if rejected else "accepted" if row.token_id == x else "rejected"
             rejected = rejected or status == "rejected"
             raw, final = row.probs_of[x]
             drawn = row.drawn_raw_prob if greedy else row.drawn_final_prob
-            verdicts.append(Verdict(x, raw if greedy else final, row.token_id, drawn, status))
+            verdicts.append(Verdict(x, raw if greedy else final, row.token_id, drawn, status,
+                                    None if decision is None else decision.q,
+                                    None if decision is None else decision.u))
         record = cls(proposer, choice, match, verdicts)
         record.kept = rows[1:record.num_accepted + 1]
         return record
@@ -96,6 +117,10 @@ class SpecRecord:
         if m == len(self.verdicts):
             return f"{head}; all accepted, and the target's next token taken with them"
         v = self.verdicts[m]
+        if v.draft_prob is not None:
+            return (f"{head}; {m} accepted, then {_piece(tokenizer, v.token_id)} rejected: u {v.uniform:.3f} >= "
+                    f"p/q = {v.target_prob:.3f}/{v.draft_prob:.3f}, and the target drew "
+                    f"{_piece(tokenizer, v.drawn_id)} from the residual max(0, p - q)")
         return (f"{head}; {m} accepted, then {_piece(tokenizer, v.token_id)} rejected: the target drew "
                 f"{_piece(tokenizer, v.drawn_id)} (p {v.drawn_prob:.3f}; the proposal had p {v.target_prob:.3f})")
 
@@ -105,10 +130,15 @@ class SpecRecord:
         for j in range(self.num_accepted + 1):
             if j < self.num_accepted:
                 v = self.verdicts[j]
-                notes.append(f"proposed by {self.proposer}, accepted: the target drew it (p {v.target_prob:.3f})")
+                notes.append(f"proposed by {self.proposer}, accepted: " + (
+                    f"u {v.uniform:.3f} < p/q = {v.target_prob:.3f}/{v.draft_prob:.3f}" if v.draft_prob is not None
+                    else f"the target drew it (p {v.target_prob:.3f})"))
             elif j < len(self.verdicts):
                 v = self.verdicts[j]
-                notes.append(f"the target's own draw after rejecting the proposal {_piece(tokenizer, v.token_id)} "
+                notes.append(f"drawn from the residual max(0, p - q) after rejecting the proposal "
+                             f"{_piece(tokenizer, v.token_id)} (u {v.uniform:.3f} >= p/q = {v.target_prob:.3f}/"
+                             f"{v.draft_prob:.3f})" if v.draft_prob is not None else
+                             f"the target's own draw after rejecting the proposal {_piece(tokenizer, v.token_id)} "
                              f"(p {v.target_prob:.3f})")
             elif self.verdicts:
                 notes.append(f"the target's next token after all {len(self.verdicts)} proposals were accepted")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nextoken.engine.rejection import RuleTrail
 from nextoken.engine.request import Request
 from nextoken.engine.sampler import SampleResult, SamplingRow
 from nextoken.models.probe import MODULES
@@ -98,7 +99,6 @@ class RecordingTracer(NullTracer):
         self.engine: LLMEngine | None = None
         self._passes = PassRecorder(0, self.now, self._from_monotonic, keep_logits=False)  # sized in attach
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._sampled_drafts: bool | None = None  # the speculator's setting, put back on detach
         self._origin = 0.0
         self._monotonic_shift = 0.0  # perf_counter - CLOCK_MONOTONIC (the native calls' clock)
         self._sync = False
@@ -140,11 +140,6 @@ class RecordingTracer(NullTracer):
         if engine.runner.model.probe is not None:
             raise RuntimeError("the model is already watched by another probe")
         self.engine = engine
-        if engine.speculator is not None:
-            # Proposals the trace can judge by its rows' draws: greedy ones (a sampled draft's verdicts depend on
-            # its own distribution, which the trace does not see).
-            self._sampled_drafts = engine.speculator.sampled_drafts
-            engine.speculator.sampled_drafts = False
         try:
             self._attach(engine)
         except BaseException:
@@ -176,8 +171,6 @@ class RecordingTracer(NullTracer):
                 model.probe = None
             if isinstance(self.engine.sampler, _SamplerProbe):
                 self.engine.sampler = self._inner_sampler
-            if self.engine.speculator is not None and self._sampled_drafts is not None:
-                self.engine.speculator.sampled_drafts = self._sampled_drafts
         self.engine = None
 
     # --- per request and step ----------------------------------------------------------------------------
@@ -212,11 +205,18 @@ class RecordingTracer(NullTracer):
         if self._pending:
             # Row j verifies proposal j + 1: the tokens the rows after it were given (their outputs' last).
             proposed = [output_ids[-1] for _, _, output_ids, _, _ in self._pending[1:]]
-            records = [describe_sample(logits, row.params, row.prompt_ids, output_ids, token_id, self.top_k,
+            tokens = [token_id for _, _, _, token_id, _ in self._pending]
+            # Under the rejection rule (a sampled draft) the step yields the proposals it kept, then a residual
+            # draw or the last row's own: rows 0..m describe those tokens.
+            trail = self._request.spec_rule if self._request is not None and proposed else None
+            if trail is not None:
+                kept = next((j for j, d in enumerate(trail.decisions) if not d.kept), len(trail.decisions))
+                tokens[:kept + 1] = proposed[:kept] + [trail.last]
+            records = [describe_sample(logits, row.params, row.prompt_ids, output_ids, tokens[j], self.top_k,
                                        row.stop_ids, allowed, probs_of=proposed[j:j + 1])
-                       for j, (logits, row, output_ids, token_id, allowed) in enumerate(self._pending)]
+                       for j, (logits, row, output_ids, _, allowed) in enumerate(self._pending)]
             step.sample = records[0]
-            step.speculation = self._speculation(records, proposed, self._pending[0][1].params.is_greedy)
+            step.speculation = self._speculation(records, proposed, self._pending[0][1].params.is_greedy, trail)
             self._pending = []
         elif self._passes.greedy:
             step.sample = self._argmax_sample()
@@ -232,7 +232,8 @@ class RecordingTracer(NullTracer):
         self._step = None
         self._passes.start_step(None, self._request, end)
 
-    def _speculation(self, records: list[SampleRecord], proposed: list[int], greedy: bool) -> SpecRecord | None:
+    def _speculation(self, records: list[SampleRecord], proposed: list[int], greedy: bool,
+                     trail: RuleTrail | None = None) -> SpecRecord | None:
         """A decode step's proposals, judged by its rows, with what the speculator chose (engine/spec_policy.py)."""
         engine, req, step = self.engine, self._request, self._step
         if engine is None or req is None or step is None or engine.speculator is None or step.phase != "decode":
@@ -244,7 +245,7 @@ class RecordingTracer(NullTracer):
             found = state.index.match(ids)
             match = (found[0], found[1]) if found is not None else None
         return SpecRecord.build(engine.config.speculative or "", state.choice if state is not None else None,
-                                match, records, proposed, greedy)
+                                match, records, proposed, greedy, trail)
 
     def _argmax_sample(self) -> SampleRecord | None:
         """The candidates of a step whose native call took the argmax (no sampler ran), from the logits it wrote."""

@@ -18,6 +18,7 @@ from nextoken.trace.command import TraceOptions, trace
 from nextoken.trace.report import make_console
 from nextoken.trace.run import run_request
 from nextoken.trace.tracer import RecordingTracer
+from tests.tiny import write_tiny_model
 from tests.trace.test_html import run_chromium
 from tests.trace.test_tracer import naive_sampling_probs
 
@@ -85,6 +86,50 @@ def test_each_proposal_is_judged_by_the_token_the_target_drew(tiny_llama: Path, 
         assert r.match is not None and r.match[0] >= 2
     text = "".join(r.reason(llm.tokenizer) for _, r in verifying)
     assert "proposed by ngram (after a repeated" in text and "rejected: the target drew" in text
+
+
+def test_a_sampled_draft_is_judged_by_the_rejection_rule(tiny_llama: Path, tmp_path: Path) -> None:
+    """Unseeded sampling with a draft model keeps its rule under the tracer: the draft draws its proposals from its
+    own distribution q, and each verdict shows p(x) (the trace's own row: the model's teacher-forced distribution),
+    q(x) (the draft's, teacher-forced) and the uniform u: accepted while u q(x) < p(x); at the rejection the step
+    keeps a token drawn from the residual. The trace's tokens are the request's, in order."""
+    draft = write_tiny_model(tmp_path / "draft.gguf", "llama", seed=7)  # other weights, the same vocabulary
+    llm = LLM(str(tiny_llama), weights="fp32", device="cpu", kv_cache_bytes=4 << 20, enable_prefix_caching=False,
+              speculative=f"draft:{draft}", num_speculative_tokens=3)
+    speculator = llm.engine.speculator
+    assert speculator is not None and speculator.draft is not None
+    speculator.adaptive = False
+    speculator.generator.manual_seed(3)  # the draft's draws and the rule's uniforms: one run, repeatable
+    tracer = RecordingTracer(top_k=5)
+    params = SamplingParams(temperature=2.0, top_k=20, max_tokens=40, ignore_eos=True)
+    run = run_request(llm, PROMPT, params, tracer=tracer, raw=True)
+    assert [s.token_id for s in tracer.samples] == run.output_ids
+    verifying = [(first, r) for first, r in tracer.speculation if r.verdicts]
+    assert verifying and all(r.sampled for _, r in verifying)
+    ids = run.prompt_ids + run.output_ids
+    target = llm.engine.runner.score(ids[:-1])
+    drafts = speculator.draft.runner.score(ids[:-1])
+    n = len(run.prompt_ids)
+    statuses = set()
+    for first, r in verifying:
+        m = r.num_accepted
+        assert [v.status for v in r.verdicts][:m + 1] == ["accepted"] * m + (["rejected"] if m < len(r.verdicts)
+                                                                             else [])
+        for j, v in enumerate(r.verdicts[:m + 1]):
+            statuses.add(v.status)
+            at = n - 1 + first + j
+            assert v.target_prob == pytest.approx(float(naive_sampling_probs(target[at], 2.0, 20, 1.0)[v.token_id]),
+                                                  abs=1e-5)
+            assert v.draft_prob == pytest.approx(float(naive_sampling_probs(drafts[at], 2.0, 20, 1.0)[v.token_id]),
+                                                 abs=1e-5)
+            assert (v.uniform * v.draft_prob < v.target_prob) == (v.status == "accepted")
+            assert v.drawn_id == run.output_ids[first + j]  # what the step kept there
+            assert (v.drawn_id == v.token_id) == (v.status == "accepted") or v.status == "rejected"
+        assert len(r.kept) == m
+    assert statuses == {"accepted", "rejected"}
+    text = "".join(r.reason(llm.tokenizer) for _, r in verifying)
+    notes = [note for _, r in verifying for note in r.token_notes(llm.tokenizer)]
+    assert "from the residual max(0, p - q)" in text and any(note.startswith("proposed by draft:") for note in notes)
 
 
 def test_a_step_that_proposes_nothing_says_why(tiny_llama: Path) -> None:
