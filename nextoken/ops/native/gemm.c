@@ -462,12 +462,6 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
  * multiply-add by the product of the scales, Q4's offset one more, then the outlier columns in order), so every
  * output has the same bits as the GEMM gives it, whatever the rows beside it. */
 #define ROWS8_MAX 4 /* activation rows up to which nt_block_gemm8 takes it */
-#ifndef ROWS8_AHEAD
-#define ROWS8_AHEAD 1
-#endif
-#ifndef ROWS8_HINT
-#define ROWS8_HINT _MM_HINT_T0
-#endif
 
 /* A row's int8 codes (quantize_row8's, natural order) laid out per quad of 4 scale groups: Q4, 128 bytes per 4 groups,
  * elements 0..15 of each group (16 bytes each) then elements 16..31, the order a quad's nibbles come out by a mask and
@@ -556,15 +550,12 @@ static inline __attribute__((always_inline)) void rows8_block(const int kind, co
                                                               float *wout, float *out, int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
     const int64_t quads = (sg + 3) / 4;
-    if (n0 + 16 * ROWS8_AHEAD < N) { /* rows ahead, their scales and offsets: a thread's rows stream from memory */
-        const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, from = n0 + 16 * ROWS8_AHEAD;
-        const int64_t end = from + 16 < N ? from + 16 : N;
+    if (n0 + 16 < N) { /* the next 16 rows' scales and offsets (their codes quad by quad, below) */
+        const int64_t end = n0 + 32 < N ? n0 + 32 : N;
         const int64_t scale_bytes = kind == NT_Q8_HALVES || kind == NT_Q4_F32 ? 4 * sg : 2 * sg;
-        for (int64_t b = from * row_bytes; b < end * row_bytes; b += 64)
-            _mm_prefetch((const char *)qs + b, ROWS8_HINT);
-        for (int64_t b = from * scale_bytes; b < end * scale_bytes; b += 64) {
-            _mm_prefetch((const char *)d + b, ROWS8_HINT);
-            if (IS_Q4(kind)) _mm_prefetch((const char *)m + b, ROWS8_HINT);
+        for (int64_t b = (n0 + 16) * scale_bytes; b < end * scale_bytes; b += 64) {
+            _mm_prefetch((const char *)d + b, _MM_HINT_T0);
+            if (IS_Q4(kind)) _mm_prefetch((const char *)m + b, _MM_HINT_T0);
         }
     }
     scales16(d, kind == NT_Q8_HALVES || kind == NT_Q4_F32, sg, n0, N, scale);
@@ -593,6 +584,13 @@ static inline __attribute__((always_inline)) void rows8_block(const int kind, co
     __m512 f[ROWS8_MAX];
     for (int t = 0; t < M; t++) f[t] = _mm512_setzero_ps();
     for (int64_t quad = 0; quad < quads; quad++) {
+        if (n0 + 16 < N) { /* the next 16 rows' bytes of this quad: a thread's rows stream from memory */
+            const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, per = IS_Q4(kind) ? 64 : kind == NT_Q8 ? 128 : 64;
+            const int64_t end = n0 + 32 < N ? n0 + 32 : N;
+            for (int64_t n = n0 + 16; n < end; n++)
+                for (int64_t b = quad * per; b < quad * per + per && b < row_bytes; b += 64)
+                    _mm_prefetch((const char *)qs + n * row_bytes + b, _MM_HINT_T0);
+        }
         for (int t = 0; t < M; t++) {
             __m512i r[16];
             for (int64_t i = 0; i < 16; i++)
