@@ -21,6 +21,7 @@ from nextoken import LLM, EngineConfig
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import read_gguf
 from nextoken.models.config import ModelConfig
+from nextoken.ops import native
 from nextoken.ops.quant_linear import BlockLinear, q4_weight, q8_weight
 from nextoken.parallel.group import TensorParallelError
 from nextoken.parallel.shard import Shard, ShardError, plan_shards, take_columns, take_rows
@@ -162,6 +163,29 @@ def _gone_within(pids: list[int], seconds: float) -> bool:
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     return not any(_alive(p) for p in pids)
+
+
+@needs_native
+def test_int8_activations_calibrate_every_rank(tiny_q4: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under int8 activations rank 0 and its worker each fix their shares' outlier columns in one calibration pass
+    (the column-parallel products see the whole input, the row-parallel ones their share; on CPUs without AVX-512
+    VNNI int8 activations change nothing and no pass runs), and two ranks' greedy tokens are one rank's."""
+    monkeypatch.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path))
+    one = LLM(str(tiny_q4), device="cpu", kv_cache_bytes=KV_BYTES, activations="int8")
+    two = LLM(str(tiny_q4), device="cpu", kv_cache_bytes=KV_BYTES, activations="int8", tensor_parallel=2)
+    try:
+        model = two.engine.runner.model
+        products = [m for m in model.modules() if isinstance(m, BlockLinear)]
+        vnni = bool(native.library().nt_has_vnni512())  # without it, int8 activations change nothing
+        assert products and all((m.outliers is not None) == vnni and m.activations == "int8" for m in products)
+        assert model.layers[0].attn.o_proj.inner.in_features < one.engine.runner.model.layers[0].attn.o_proj.in_features
+        greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+        prompts = [PROMPT, "the dog", "on the log the cat"]
+        assert [o.token_ids for o in one.generate(prompts, greedy, use_tqdm=False)] == \
+            [o.token_ids for o in two.generate(prompts, greedy, use_tqdm=False)]
+    finally:
+        two.close()
 
 
 @pytest.mark.parametrize("end", ["SIGKILL", "exit"])
