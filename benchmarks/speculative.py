@@ -4,8 +4,8 @@ temperature 1 with a seed: speculation draws the same tokens, so both sides deco
 1 without one, `:t1u`, where a draft model draws its proposals from its own distribution and the target keeps them by
 the rejection rule: the same distribution of texts, not the same text).
 
-Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--max-tokens N] [--repeats N] [--k K] [--speculative ngram|draft:MODEL]
-     [--only ...]
+Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--activations int16|int8] [--max-tokens N]
+     [--repeats N] [--k K] [--speculative ngram|draft:MODEL] [--only ...]
 One process, one model loaded twice (plain, and with `speculative=...`); each prompt runs on both, taking turns
 `--repeats` times, and the medians of decode tokens/s (first token to last) are compared: the ratio is the speed-up.
 Acceptance: accepted / proposed tokens; mean accepted length: accepted tokens per verifying step. The outputs of both
@@ -102,20 +102,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtype", default="auto", help="auto (the CPU's default formats) or float32 (fp32 weights)")
+    ap.add_argument("--activations", default="int16", choices=["int16", "int8"],
+                    help="int8: both engines with int8 activation codes (verifying rows cost less)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
     ap.add_argument("--speculative", default="ngram", help="the proposer: ngram or draft:MODEL")
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
-    plain = LLM(args.model, dtype=args.dtype)
-    spec = LLM(args.model, dtype=args.dtype, speculative=args.speculative, num_speculative_tokens=args.k)
+    plain = LLM(args.model, dtype=args.dtype, activations=args.activations)
+    spec = LLM(args.model, dtype=args.dtype, activations=args.activations, speculative=args.speculative,
+               num_speculative_tokens=args.k)
     for llm in (plain, spec):
         llm.engine.runner.settle()
         llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=16),
                  use_tqdm=False)
     print(f"{describe_machine()}")
-    print(f"model: {args.model} ({plain.engine.runner.weights} weights, {plain.engine.runner.lm_head} head), "
+    print(f"model: {args.model} ({plain.engine.runner.weights} weights, {plain.engine.runner.lm_head} head, "
+          f"{plain.engine.runner.activations} activations), "
           f"batch 1, {args.max_tokens} tokens at most, median of {args.repeats}; {args.speculative}, K = "
           f"{spec.engine.config.max_speculative_tokens}")
     print(f"{'prompt':<16}{'plain tok/s':>12}{'spec tok/s':>12}{'speed-up':>10}{'accepted':>10}{'mean len':>10}"
