@@ -304,7 +304,7 @@ def test_int8_gemm_with_fixed_outlier_columns_gives_each_row_its_bits_in_any_bat
     is the same bits alone, in 2-4 rows (the kernel that streams the weights as stored) and in a batch of up to 40
     (the GEMM over panels), on 1-3 threads: within float rounding of the float64 product of the int8 codes without
     those columns plus the columns' exact products. The fixed columns are not the batch's own choice (one left
-    out, an ordinary one in). Out-of-order, out-of-range or too many columns are refused."""
+    out, an ordinary one in). Out-of-order, out-of-range or too many columns are refused; no rows is nothing to do."""
     cases = 0
     for part, w, x in gemm_cases(9, outliers=True):
         k = x.shape[1]
@@ -335,6 +335,8 @@ def test_int8_gemm_with_fixed_outlier_columns_gives_each_row_its_bits_in_any_bat
     assert cases > 500
     part, _, x = next(gemm_cases(9))
     out = torch.empty(x.shape[0], part.qs.shape[0])
+    native.block_matmul(vnni, part.kind, x[:0], part.qs, part.d, part.m, out[:0], gemm=True, int8_activations=True,
+                        outliers=torch.tensor([1], dtype=torch.int32))  # no rows (a chunk that needs no logits)
     for bad in ([3, 1], [0, 0], [-1], [x.shape[1]], list(range(OUTLIER_MAX + 1))):
         with pytest.raises(ValueError, match="outlier columns"):
             native.block_matmul(vnni, part.kind, x, part.qs, part.d, part.m, out, gemm=True, int8_activations=True,
