@@ -34,7 +34,7 @@ from nextoken.ops import native
 from nextoken.parallel.group import rank_threads, torchrun_rank
 from nextoken.sampling_params import SamplingParams
 from nextoken.loader.text_side import load_text_side
-from nextoken.ops.calibration import CALIBRATION_CHAT
+from nextoken.ops.calibration import calibration_ids
 
 log = logging.getLogger("nextoken.engine")
 
@@ -86,7 +86,7 @@ class LLMEngine:
                                      Limits(self.max_model_len, pool_tokens, config.max_tokens_default),
                                      end_ids=self.model_config.eog_ids)
         if config.activations == "int8":  # each product's outlier columns fixed once (ops/calibration.py)
-            self.runner.calibrate(self.inputs.render_chat(CALIBRATION_CHAT, add_generation_prompt=False)[1])
+            self.runner.calibrate(calibration_ids(self.inputs))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()

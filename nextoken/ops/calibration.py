@@ -20,15 +20,21 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nextoken.config import cache_dir
+from nextoken.errors import NextokenError
 from nextoken.ops import native
 from nextoken.ops.quant_linear import BlockLinear, Int8GroupHead
+
+if TYPE_CHECKING:
+    from nextoken.engine.inputs import InputProcessor
 
 logger = logging.getLogger("nextoken.calibration")
 
@@ -129,11 +135,21 @@ def set_activations(model: nn.Module, activations: str) -> None:
             module.activations = activations
 
 
+def calibration_ids(inputs: InputProcessor) -> list[int]:
+    """CALIBRATION_CHAT through the model's chat template, or, where the template refuses it, its contents as plain
+    text."""
+    try:
+        return inputs.render_chat(CALIBRATION_CHAT, add_generation_prompt=False)[1]
+    except NextokenError:
+        return inputs.encode("\n\n".join(m["content"] for m in CALIBRATION_CHAT))
+
+
 def cache_path(model_path: Path, formats: str, token_ids: Sequence[int]) -> Path:
-    """Where the columns of this model file (by path, size and modification time), formats and calibration tokens
-    are kept."""
-    stat = model_path.stat()
-    key = json.dumps([VERSION, str(model_path.resolve()), stat.st_size, stat.st_mtime_ns, formats, list(token_ids)])
+    """Where the columns of this model file (by path, size and modification time; a directory's by its files'),
+    formats and calibration tokens are kept."""
+    files = sorted(f for f in model_path.iterdir() if f.is_file()) if model_path.is_dir() else [model_path]
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = json.dumps([VERSION, str(model_path.resolve()), stats, formats, list(token_ids)])
     return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
@@ -153,7 +169,7 @@ def save_columns(path: Path, columns: dict[str, list[int]]) -> None:
     """Keep the columns for the next load; a cache that cannot be written only costs the next load a pass."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{id(columns)}.tmp")
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
         temporary.write_text(json.dumps(columns))
         temporary.replace(path)
     except OSError as exc:

@@ -140,3 +140,37 @@ def test_cached_columns_are_checked(tiny_q8: Path, tmp_path: Path) -> None:
     calibration.fix_outliers(model, whole)
     assert all(m.outliers.tolist() == [0] and m.activations == "int8"
                for m in calibration.block_products(model).values())
+
+
+@needs_native
+def test_a_template_that_refuses_the_calibration_chat_calibrates_on_its_text(tmp_path: Path, vnni: ctypes.CDLL,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat template that refuses the calibration conversation does not stop the load: its turns' text is the
+    calibration pass's input instead."""
+    use_library(monkeypatch, vnni)
+    monkeypatch.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path))
+    strict = {"tokenizer.chat_template": ("string", "{{ raise_exception('one user turn only') }}")}
+    path = write_tiny_model(tmp_path / "strict.gguf", "llama", table=GGMLQuantizationType.Q8_0,
+                            loud_columns=(3, 17, 40), overrides=strict)
+    llm = LLM(str(path), weights="int4", activations="int8", device="cpu", kv_cache_bytes=8 << 20)
+    products = calibration.block_products(llm.engine.runner.model)
+    assert products and all(m.outliers is not None for m in products.values())
+    assert sum(m.outliers.numel() for m in products.values()) > 0
+
+
+def test_the_cache_key_follows_the_model_files(tmp_path: Path) -> None:
+    """The cache file is another one when the model file, a file of a model directory, the formats or the
+    calibration tokens change."""
+    file = tmp_path / "m.gguf"
+    file.write_bytes(b"x" * 10)
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"y" * 10)
+    keys = {calibration.cache_path(file, "int4", [1, 2]), calibration.cache_path(file, "int8", [1, 2]),
+            calibration.cache_path(file, "int4", [1, 3]), calibration.cache_path(folder, "int4", [1, 2])}
+    file.write_bytes(b"x" * 11)
+    keys.add(calibration.cache_path(file, "int4", [1, 2]))
+    (folder / "model.safetensors").write_bytes(b"y" * 12)
+    keys.add(calibration.cache_path(folder, "int4", [1, 2]))
+    assert len(keys) == 6
+    assert calibration.cache_path(file, "int4", [1, 2]) == calibration.cache_path(file, "int4", [1, 2])
