@@ -23,7 +23,7 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -33,8 +33,13 @@ from nextoken.errors import NextokenError
 from nextoken.ops import native
 from nextoken.ops.quant_linear import BlockLinear, Int8GroupHead
 
-if TYPE_CHECKING:
-    from nextoken.engine.inputs import InputProcessor
+
+class ChatInputs(Protocol):
+    """What calibration needs of the engine's input processor (engine/inputs.py InputProcessor)."""
+
+    def render_chat(self, messages: Any, add_generation_prompt: bool = True) -> tuple[str, list[int]]: ...
+
+    def encode(self, text: str) -> list[int]: ...
 
 logger = logging.getLogger("nextoken.calibration")
 
@@ -135,7 +140,7 @@ def set_activations(model: nn.Module, activations: str) -> None:
             module.activations = activations
 
 
-def calibration_ids(inputs: InputProcessor) -> list[int]:
+def calibration_ids(inputs: ChatInputs) -> list[int]:
     """CALIBRATION_CHAT through the model's chat template, or, where the template refuses it, its contents as plain
     text."""
     try:
