@@ -11,7 +11,7 @@ layers.py. Prefill through it: SmolLM2 1.03x, Gemma 3 1.08x (512 tokens, alterna
 rounds): its norms, rotary embedding and gated activations run on warm rows in one call.
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
-`GEMM_MIN_ROWS` rows on they are bound by compute, where a GEMM is faster: the native fp32 GEMM over each
+`gemm_rows` rows on (quant_linear.native_max_rows) they are bound by compute, where a GEMM is faster: the native fp32 GEMM over each
 projection's packed panels (the ones its module uses for prefill), or with AVX-512 VNNI, where projections keep no
 panels, the int16 GEMM over the blocks; the step stays one native call either way.
 
@@ -32,13 +32,12 @@ import torch
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import HEAD_GEMM_ROWS, HEAD_NATIVE_MAX_ROWS, NATIVE_MAX_ROWS, BlockEmbedding, BlockLinear
+from nextoken.ops.quant_linear import HEAD_NATIVE_MAX_ROWS, BlockEmbedding, BlockLinear, native_max_rows
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
     from nextoken.models.layers import RMSNorm, RotaryEmbedding
 
-GEMM_MIN_ROWS = NATIVE_MAX_ROWS + 1  # rows from which a fused step's products take the fp32 GEMM (measured there)
 KEPT_SCRATCH_ROWS = HEAD_NATIVE_MAX_ROWS  # tokens whose scratch the decoder keeps between steps
 
 
@@ -98,7 +97,7 @@ class FusedDecoder:
         self.layers = (native.Layer * len(layers))(*layers)
         self.final_norm = (model.norm.weight, model.norm.eps)  # applied in the same native call
         self._caches: tuple[tuple[KVCacheLayer, ...], ctypes.Array] | None = None
-        self.gemm_rows = GEMM_MIN_ROWS
+        self.gemm_rows = native_max_rows(lib) + 1  # rows from which the products take a GEMM
         self._scratch = torch.empty(0)
         # Whether chunks of several tokens per sequence (prefill) run here too: their attention is the native prefill
         # kernel's, which needs AVX-512 and head sizes that are a multiple of 16 (elsewhere the modules run them).
@@ -199,7 +198,7 @@ class NativeStep:
             embed_scale=model.config.embedding_scale, embed_codes=embed.codes.data_ptr(),
             embed_scales=embed.scales.data_ptr(), vocab=embed.num_embeddings, head_kind=head.blocks.kind,
             head_qs=head.blocks.qs.data_ptr(), head_d=head.blocks.d.data_ptr(), head_rows=head.vocab_size,
-            head_gemm_rows=HEAD_GEMM_ROWS, head_int8_activations=int(head.activations == "int8"),
+            head_gemm_rows=head.gemm_rows, head_int8_activations=int(head.activations == "int8"),
             head_outliers=head.outliers.data_ptr() if head.fixed_int8 and head.outliers is not None else None,
             head_num_outliers=head.outliers.numel() if head.fixed_int8 and head.outliers is not None else -1,
             threads=torch.get_num_threads())

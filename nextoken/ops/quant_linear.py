@@ -19,6 +19,8 @@ bf16 scale and zero per 32) and others on the dense weight, with torch's GEMM fo
 
 from __future__ import annotations
 
+import ctypes
+
 from dataclasses import dataclass
 
 import torch
@@ -34,12 +36,29 @@ GROUP_SIZE = 32
 # cores, ms a step, block kernels vs GEMM: 8 rows 40 vs 47, 12 rows 60 vs 55, 16 rows 73 vs 60, 24 rows 100 vs 72,
 # 64 rows 297 vs 202; torch's GEMM took 258 ms at 64 rows). Fused decode steps use the same threshold.
 NATIVE_MAX_ROWS = 11
+# With AVX-512 VNNI the few-row kernel has the int16 GEMM's bits from 2 rows on (block_rows16 in ops/native/gemm.c):
+# the two cross near 16-20 rows (SmolLM2's 30 layers' projections on 2 Zen 5 cores, ms, rows kernel vs GEMM: 8 rows
+# 10.0 vs 13.8, 12 rows 13.9 vs 16.3, 16 rows 17.3 vs 20.3, 20 rows 27.3 vs 25.4; Gemma 3's 16 rows 16.4 vs 18.2).
+VNNI_MAX_ROWS = 16
 # The Q8 head's kernel skips the nibble unpacking and stays ahead of a float GEMM for longer (49152 x 576 on the
 # same machine: 1 row 1.0 vs 8.2 ms, 32 rows 14.9 vs 27.6 ms). Over the file's own blocks, from HEAD_GEMM_ROWS rows on
 # the native GEMM that dequantizes 16 head rows at a time is faster still (12 rows 7.3 vs 7.1 ms, 16 rows 9.8 vs 9.3,
-# 64 rows 29.2 vs 23.8) and keeps no fp32 copy.
+# 64 rows 29.2 vs 23.8) and keeps no fp32 copy. With AVX-512 VNNI the two give the same bits from 2 rows on and
+# cross near 20 rows (ms, as above: SmolLM2's head 16 rows 3.8 vs 4.0, 20 rows 4.6 vs 4.4, 32 rows 7.3 vs 6.4;
+# Gemma 3's 16 rows 23.1 vs 26.1, 24 rows 32.2 vs 31.5).
 HEAD_NATIVE_MAX_ROWS = 128
 HEAD_GEMM_ROWS = 16
+VNNI_HEAD_GEMM_ROWS = 20
+
+
+def native_max_rows(lib: ctypes.CDLL | None) -> int:
+    """Rows up to which a projection's products take the block kernels on this build, the GEMM beyond."""
+    return VNNI_MAX_ROWS if lib is not None and lib.nt_has_vnni512() else NATIVE_MAX_ROWS
+
+
+def head_gemm_rows(lib: ctypes.CDLL | None) -> int:
+    """Rows from which the head over the file's blocks takes the native GEMM on this build."""
+    return VNNI_HEAD_GEMM_ROWS if lib is not None and lib.nt_has_vnni512() else HEAD_GEMM_ROWS
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
 TORCH_INT4_MAX_ROWS = 16
 
@@ -163,7 +182,7 @@ class BlockLinear(nn.Module):
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
-            self.max_rows = NATIVE_MAX_ROWS
+            self.max_rows = native_max_rows(self.lib)
             if panels or (panels is None and not vnni):
                 packed = self._blocks_panels() if dense is None else native.pack(self.lib, dense)
             dense = None
@@ -277,7 +296,7 @@ class Int8GroupHead(nn.Module):
     from the float `weight` (which the embedding keeps anyway when tied), as they are after torch's bf16 pass.
     Greedy picks the same token as the fp32 head unless the best one is not among those candidates. Batches of more
     than `max_rows` rows take an fp32 GEMM over the float weight; over the file's blocks, the native GEMM that
-    dequantizes them as it goes takes batches from `HEAD_GEMM_ROWS` rows (torch's over dequantized slices of the
+    dequantizes them as it goes takes batches from `gemm_rows` rows (torch's over dequantized slices of the
     vocabulary without native kernels).
 
     Without native kernels the pass runs on torch's int4 kernel: an int8 code is two 4-bit ones, c = 16 * hi + lo
@@ -296,12 +315,13 @@ class Int8GroupHead(nn.Module):
         self.codes, self.scales = (codes, scales) if weight is None else (None, None)
         self.num_exact = num_exact
         self.vocab_size = codes.shape[0]
-        # How the GEMM over the file's blocks (from HEAD_GEMM_ROWS rows) meets the activations: "int16" or "int8"
+        # How the GEMM over the file's blocks (from gemm_rows rows) meets the activations: "int16" or "int8"
         # codes per 32 values, as the projections' (BlockLinear.activations).
         self.activations = "int16"
         self.outliers: torch.Tensor | None = None  # as BlockLinear's: under "int8", fixed by calibration
         self.lib = native.library()
         self.max_rows = HEAD_NATIVE_MAX_ROWS if self.lib is not None else TORCH_INT4_MAX_ROWS
+        self.gemm_rows = head_gemm_rows(self.lib)  # over the file's blocks, the native GEMM from this many rows
         if self.lib is not None:
             self.blocks = q8_weight(codes, scales)
             return
@@ -336,7 +356,7 @@ class Int8GroupHead(nn.Module):
         where given: a step's logits are tens of MB (Gemma 3 at 64 rows: 67), and a fresh buffer's pages fault in
         at 4 KB each on first write, 15 ms of a 160 ms step."""
         logits = out[:x.shape[0]] if out is not None else torch.empty(x.shape[0], self.vocab_size)
-        if self.lib is not None and self.weight is None and (x.shape[0] >= HEAD_GEMM_ROWS or self.fixed_int8):
+        if self.lib is not None and self.weight is None and (x.shape[0] >= self.gemm_rows or self.fixed_int8):
             native.block_matmul(self.lib, Q8, x.contiguous(), self.blocks.qs, self.blocks.d, None, logits, gemm=True,
                                 int8_activations=self.activations == "int8", outliers=self.outliers)
             return logits

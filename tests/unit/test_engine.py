@@ -24,7 +24,7 @@ from nextoken.loader.hf import HFDirectory
 from nextoken.loader.registry import open_model
 from nextoken.ops.fused import FusedDecoder
 from nextoken.ops import native
-from nextoken.ops.quant_linear import NATIVE_MAX_ROWS, BlockLinear
+from nextoken.ops.quant_linear import BlockLinear
 from tests.conftest import needs_native
 from tests.tiny import write_tiny_model
 
@@ -244,8 +244,8 @@ def tiny_q8(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 @needs_native
 def test_native_decode_steps_give_the_module_paths_results(tiny_q8: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With a Q8_0 table and block projections every pure decode step is one native call (NativeStep): greedy rows
-    take their argmax there and skip the sampler; batches from one row to past HEAD_GEMM_ROWS (whose head takes the
-    GEMM), log-probabilities, seeded sampling and penalties give exactly what the module path gives (the same
+    take their argmax there and skip the sampler; batches from one row to past the head's gemm_rows (whose head takes
+    the GEMM), log-probabilities, seeded sampling and penalties give exactly what the module path gives (the same
     kernels in the same order). A hook on the model (a tracer) sends steps back to the modules."""
     from nextoken.ops.fused import NativeStep
 
@@ -268,7 +268,8 @@ def test_native_decode_steps_give_the_module_paths_results(tiny_q8: Path, monkey
                 for prompts, params in cases]
 
     native_results = results()
-    assert max(runs) == len(PROMPTS) * 3 and min(runs) == 1  # from 21 rows (> HEAD_GEMM_ROWS) down to one
+    assert max(runs) == len(PROMPTS) * 3 and min(runs) == 1  # from 21 rows down to one
+    assert max(runs) >= engine.runner.model.quantized_head.gemm_rows  # the head's GEMM among them
     engine.runner._step = (engine.runner.model.fused, None)  # the module path from here on
     count = len(runs)
     assert results() == native_results and len(runs) == count
@@ -378,8 +379,8 @@ def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType
         if isinstance(module, BlockLinear):
             module.pack_panels()
     model.fused = FusedDecoder.build(model)  # its matrices with the panels (a prefill runs fused too)
-    ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log")
-    assert len(ids) > NATIVE_MAX_ROWS  # a prefill past the block kernels: the fp32 GEMM over the panels
+    ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log, then the bird sat on the hat")
+    assert len(ids) > projection.max_rows  # a prefill past the block kernels: the fp32 GEMM over the panels
     torch.testing.assert_close(blocks.engine.runner.score(ids), dense.engine.runner.score(ids), rtol=1e-4, atol=1e-4)
 
 

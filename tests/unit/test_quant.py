@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from nextoken.loader.codec import (dequantize, pack_nibbles, q4_codes, q4_nibbles, q5_codes, q6_codes, q8_0_codes,
                                    unpack_nibbles)
 from nextoken.ops import native
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, HEAD_GEMM_ROWS, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8,
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8, VNNI_MAX_ROWS,
                                         Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead,
                                         q4_weight, q8_weight)
 from nextoken.ops.quantize import q8_codes, regroup
@@ -112,7 +112,7 @@ def mixed_projection(seed: int = 0, cols: int = 96) -> tuple[BlockLinear, torch.
 
 
 @pytest.mark.parametrize("cols", [96, 320])  # 3 or 10 blocks per row: scales one by one, or in vectors and a last one
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, NATIVE_MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, NATIVE_MAX_ROWS, VNNI_MAX_ROWS])
 def test_block_linear_matches_dense_on_native_kernels(rows: int, cols: int) -> None:
     layer, dense = mixed_projection(cols=cols)
     assert layer.lib is not None and [p.kind for p in layer.parts] == [Q4, Q8, Q8_HALVES]
@@ -153,7 +153,7 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
     layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape), panels=True)
     assert layer.dense is None and torch.equal(layer.panels, native.pack(lib, weight))
     assert torch.equal(layer.weight, weight)
-    x = torch.randn(NATIVE_MAX_ROWS + 3, 256, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(layer.max_rows + 3, 256, generator=torch.Generator().manual_seed(1))
     # Two fp32 GEMMs summing in different orders: apart by rounding, relative to the size of the products' sum.
     bound = F.linear(x.abs().double(), weight.abs().double()) * 1e-5
     assert ((layer(x).double() - F.linear(x.double(), weight.double())).abs() <= bound).all()
@@ -172,12 +172,12 @@ def test_with_vnni_a_projection_keeps_only_its_blocks() -> None:
         return
     assert bare.panels is None and bare.dense is None
     assert torch.equal(bare.weight, exact)
-    for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1, 40):
+    for rows in (1, bare.max_rows, bare.max_rows + 1, 40):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         bound = 3e-5 * (x.abs() @ exact.abs().t()) + 1e-6
         assert ((bare(x) - F.linear(x, exact)).abs() <= bound).all()
         # the block kernels either way; past them int16 codes against the panels' fp32 products
-        assert torch.equal(bare(x), layer(x)) == (rows <= NATIVE_MAX_ROWS)
+        assert torch.equal(bare(x), layer(x)) == (rows <= bare.max_rows)
     bare.pack_panels()
     assert torch.equal(bare.panels, layer.panels) and torch.equal(bare(x), F.linear(x, exact))
 
@@ -190,11 +190,11 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
 
 
 def test_block_linear_takes_a_gemm_for_large_batches() -> None:
-    """More than NATIVE_MAX_ROWS rows: the fp32 GEMM over the panels where the projection keeps them (the dense
+    """More than max_rows rows: the fp32 GEMM over the panels where the projection keeps them (the dense
     weight's products exactly), else the GEMM over the blocks (with AVX-512 VNNI int16 activation codes: within
     their rounding, like the block kernels; without, fp32 over rows dequantized from the blocks)."""
     layer, dense = mixed_projection()
-    xs = [torch.randn(rows, 96) for rows in (NATIVE_MAX_ROWS + 1, 96)]
+    xs = [torch.randn(rows, 96) for rows in (layer.max_rows + 1, 96)]
     for x in xs:
         assert torch.equal(layer(x), F.linear(x, dense))
     layer.panels = None
@@ -253,11 +253,11 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
     close = 2e-4 if kernels == "native" and exact_blocks else 1e-5
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=close, atol=close)
     assert torch.equal(out.argmax(-1), exact.argmax(-1))
-    # Batches bound by compute: a GEMM over the blocks when exact (the native one from HEAD_GEMM_ROWS rows on, with
+    # Batches bound by compute: a GEMM over the blocks when exact (the native one from gemm_rows rows on, with
     # AVX-512 VNNI on int16 activation codes; else fp32 over vocabulary slices), over the float weight past the cheap
     # pass's rows.
     monkeypatch.setattr(Int8GroupHead, "VOCAB_SLICE", 1000)  # slices that do not divide the vocabulary
-    sizes = [HEAD_GEMM_ROWS, HEAD_GEMM_ROWS + 7, head.max_rows + 1] if head.lib is not None else [head.max_rows + 1]
+    sizes = [head.gemm_rows, head.gemm_rows + 7, head.max_rows + 1] if head.lib is not None else [head.max_rows + 1]
     for rows in sizes:
         many = torch.randn(rows, hidden, generator=gen)
         if rows <= head.max_rows and not exact_blocks:  # requantized: the cheap pass and its rescoring
@@ -270,14 +270,14 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
 
 
 def test_int8_group_head_takes_int8_activations_from_gemm_rows() -> None:
-    """With activations "int8", the head over the file's blocks runs its GEMM rows (from HEAD_GEMM_ROWS) on int8
+    """With activations "int8", the head over the file's blocks runs its GEMM rows (from gemm_rows) on int8
     activation codes (nt_block_gemm8), and fewer rows on the int16 block kernels as before."""
     lib = native.library()
     if lib is None or not lib.nt_has_vnni512():
         pytest.skip("without AVX-512 VNNI int8 activations change nothing (test_native checks that)")
     gen = torch.Generator().manual_seed(2)
     head, _ = _int8_head(512, 128, True, 8, gen)
-    few, many = torch.randn(3, 128, generator=gen), torch.randn(HEAD_GEMM_ROWS + 2, 128, generator=gen)
+    few, many = torch.randn(3, 128, generator=gen), torch.randn(head.gemm_rows + 2, 128, generator=gen)
     int16 = head(few), head(many)
     head.activations = "int8"
     assert torch.equal(head(few), int16[0])
@@ -299,7 +299,7 @@ def test_int8_group_head_writes_into_a_given_buffer(kernels: str, exact_blocks: 
     vocab, hidden = 1000, 64
     head, _ = _int8_head(vocab, hidden, exact_blocks, 8, gen)
     buffer = torch.full((head.max_rows + 4, vocab), float("nan"))
-    for rows in sorted({1, 3, HEAD_GEMM_ROWS + 1, head.max_rows + 1}):
+    for rows in sorted({1, 3, head.gemm_rows + 1, head.max_rows + 1}):
         x = torch.randn(rows, hidden, generator=gen)
         out = head(x, buffer)
         assert out.data_ptr() == buffer.data_ptr()

@@ -667,6 +667,183 @@ static int block_rows8(int kind, const float *x, int64_t M, int64_t K, int64_t l
     return failed ? -1 : 0;
 }
 
+/* ------------------------------------------- int16 activations, few rows: the GEMM's bits from the weights as stored */
+
+/* A few rows of the exact route (two levels of int16 codes, split_levels): decode, a sequence's verified proposals,
+ * small batches. The weights are read as stored, 16 rows at a time: each 64 bytes of the 16 rows, transposed 4 bytes
+ * to a 32-bit lane (as gemm_widen does, but in registers), give vectors of 4 neighbouring codes of 16 rows, and every
+ * row of activation codes meets them in vpdpbusd with its 4 matching codes broadcast. An int16 code is 256 hi + lo
+ * (lo unsigned, hi signed), so each code row is two planes of bytes: Q4's codes (0..15) are signed bytes against lo
+ * and unsigned ones against hi; int8 codes against lo, and against hi + 128 (unsigned), 128 times their sum taken
+ * out again. Both give each scale group's int32 sum w . c exactly, which is what gemm_tile's vpdpwssd sums; from
+ * there the float work is gemm_tile's, operation for operation, so each output has the GEMM's bits whatever the rows
+ * beside it, and a row's numbers do not change with its batch or with the route its batch size takes. Against the
+ * one-row kernels it replaces (a quad of nibbles against each code row, four lanes per block, summed across lanes at
+ * the end) it takes half the instructions per code row: the unpacking and the transposes are paid once per 16
+ * weight rows for all the code rows. */
+#define ROWS16_PASS 4 /* activation rows (8 rows of codes) per pass over 16 weight rows: their accumulators in registers */
+
+/* The scale group's sums of 16 weight rows against T rows of codes (T even: both levels of T / 2 activation rows),
+ * for `nv` vectors of weights w (4 codes of each row, 16 rows): vector i against the 4 codes at byte 4 i of each
+ * row's lo plane (x: the group's codes, 64 bytes a row of codes, lo then hi), into f as gemm_tile does. Two rows of
+ * codes at a time, each plane's sum in two chains (even and odd vectors): eight independent chains of multiply-adds
+ * (one chain per plane left the kernel waiting on their latency), every code one displacement from x. */
+static inline __attribute__((always_inline)) void rows16_group(const int kind, const int T, const __m512i *w,
+                                                               const int nv, const uint8_t *x, __m512i wsum,
+                                                               __m512 dw, __m512 mw, const float *xd,
+                                                               const float *xs, int64_t g, int64_t groups,
+                                                               __m512 *f) {
+#pragma GCC unroll 8
+    for (int t = 0; t < T; t += 2) {
+        __m512i a[2][2][2]; /* [row of codes][plane: lo, hi][chain] */
+        for (int j = 0; j < 2; j++)
+            for (int p = 0; p < 2; p++) a[j][p][0] = a[j][p][1] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int i = 0; i < nv; i++)
+#pragma GCC unroll 2
+            for (int j = 0; j < 2; j++) {
+                int32_t l4, h4;
+                memcpy(&l4, x + (t + j) * 64 + 4 * i, 4);
+                memcpy(&h4, x + (t + j) * 64 + 32 + 4 * i, 4);
+                a[j][0][i & 1] = _mm512_dpbusd_epi32(a[j][0][i & 1], _mm512_set1_epi32(l4), w[i]);
+                a[j][1][i & 1] = IS_Q4(kind) ? _mm512_dpbusd_epi32(a[j][1][i & 1], w[i], _mm512_set1_epi32(h4))
+                                             : _mm512_dpbusd_epi32(a[j][1][i & 1], _mm512_set1_epi32(h4), w[i]);
+            }
+#pragma GCC unroll 2
+        for (int j = 0; j < 2; j++) {
+            const __m512i alo = _mm512_add_epi32(a[j][0][0], a[j][0][1]);
+            __m512i ahi = _mm512_add_epi32(a[j][1][0], a[j][1][1]);
+            if (!IS_Q4(kind)) ahi = _mm512_sub_epi32(ahi, wsum); /* (hi + 128) . w - 128 sum(w) */
+            const __m512i sum = _mm512_add_epi32(alo, _mm512_slli_epi32(ahi, 8));
+            const int64_t r = t + j;
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * groups + g])), f[r]);
+            if (IS_Q4(kind)) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * groups + g]), f[r]);
+        }
+    }
+}
+
+/* out rows [0, M) (M <= ROWS16_PASS), columns n0..n0 + 15 (those from N on not written), against M activation rows'
+ * two levels of codes in planes ([groups][2M rows of codes][lo 32 bytes, hi 32 bytes]; rows 2r and 2r + 1 the levels
+ * of row r; `rows` rows of codes in all per group), their scales xd and Q4 sums xs [2M][groups]. */
+static inline __attribute__((always_inline)) void rows16_block(const int kind, const int M, const uint8_t *planes,
+                                                               int64_t rows, const float *xd, const float *xs, int64_t K, int64_t N,
+                                                               const void *qs, int64_t n0, const float *scale, const float *offset,
+                                                               float *out, int64_t ldo) {
+    const int T = 2 * M;
+    const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, row_bytes = IS_Q4(kind) ? K / 2 : K;
+    const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+    __m512 f[2 * ROWS16_PASS];
+    for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < row_bytes; c += 64) {
+        const int64_t left = row_bytes - c;
+        const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << left) - 1;
+        if (n0 + 32 < N) { /* rows n0 + 32..n0 + 47 (contiguous) in order, a 16th of them per 64 bytes here */
+            const int64_t end = (n0 + 48 < N ? n0 + 48 : N) * row_bytes, last = c + 64 >= row_bytes;
+            const int64_t from = (n0 + 32) * row_bytes + c * 16, to = last ? end : from + 1024;
+            for (int64_t b = from; b < to && b < end; b += 64) _mm_prefetch((const char *)qs + b, _MM_HINT_T0);
+        }
+        __m512i r[16];
+        for (int64_t i = 0; i < 16; i++)
+            r[i] = n0 + i < N ? _mm512_maskz_loadu_epi8(mask, (const uint8_t *)qs + (n0 + i) * row_bytes + c)
+                              : _mm512_setzero_si512();
+        transpose16_epi32(r); /* r[u] lane i: bytes c + 4u..c + 4u + 3 of row n0 + i */
+        const int64_t have = left >= 64 ? 16 : left / 4; /* vectors holding bytes of the rows */
+        if (IS_Q4(kind)) { /* a group is 16 bytes: 4 vectors, low nibbles codes 4j.., high ones 4j + 16.. */
+            for (int64_t u0 = 0; u0 < have; u0 += 4) {
+                const int64_t g = (c + 4 * u0) / 16;
+                __m512i w[8];
+                for (int j = 0; j < 4; j++) {
+                    w[j] = _mm512_and_si512(r[u0 + j], nibble);
+                    w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(r[u0 + j], 4), nibble);
+                }
+                rows16_group(kind, T, w, 8, planes + g * rows * 64, _mm512_setzero_si512(),
+                             _mm512_loadu_ps(scale + g * 16), _mm512_loadu_ps(offset + g * 16), xd, xs, g, groups, f);
+            }
+            continue;
+        }
+        const int per = halves ? 4 : 8; /* vectors of a scale group: 16 or 32 codes */
+        for (int64_t u0 = 0; u0 < have; u0 += per) {
+            const int64_t s = (c + 4 * u0) / (halves ? 16 : QK), g = halves ? s / 2 : s;
+            __m512i wsum = _mm512_setzero_si512();
+            for (int j = 0; j < per; j++) wsum = _mm512_dpbusd_epi32(wsum, ones, r[u0 + j]);
+            rows16_group(kind, T, r + u0, per, planes + g * rows * 64 + (halves ? 16 * (s & 1) : 0),
+                         _mm512_slli_epi32(wsum, 7), _mm512_loadu_ps(scale + s * 16), _mm512_setzero_ps(), xd, xs, g,
+                         groups, f);
+        }
+    }
+    const __mmask16 keep = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+    for (int i = 0; i < M; i++) _mm512_mask_storeu_ps(out + i * ldo + n0, keep, _mm512_add_ps(f[2 * i], f[2 * i + 1]));
+}
+
+/* nt_block_matmul with AVX-512 VNNI: M rows of x (row stride ldx) against a block weight, with the GEMM's bits
+ * (rows16_block). Returns 0, or -1 for no memory. */
+NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                 const void *d, const void *m, float *out, int64_t ldo, int threads) {
+    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups, T = 2 * M;
+    void *block = malloc((size_t)(T * K * (2 * (int64_t)sizeof(float) + 2) + 2 * T * groups * 4) + 64);
+    if (!block) return -1;
+    float *levels = (float *)block, *xd = levels + T * K, *xs = xd + T * groups;
+    uint8_t *planes = (uint8_t *)(xs + T * groups);
+    split_levels(x, M, K, ldx, levels);
+    const __m512i flip = _mm512_set1_epi8(IS_Q4(kind) ? 0 : (char)0x80);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t b = 0; b < groups; b++) {
+            __m512i c0, c1;
+            quantize_group(levels + t * K + b * QK, 0, 32767.0f, &c0, &c1, xd + t * groups + b, xs + t * groups + b);
+            uint8_t *dst = planes + (b * T + t) * 64;
+            _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0));
+            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(c1));
+            _mm_storeu_si128((__m128i *)(dst + 32), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8)),
+                                                                  _mm512_castsi512_si128(flip)));
+            _mm_storeu_si128((__m128i *)(dst + 48), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(c1, 8)),
+                                                                  _mm512_castsi512_si128(flip)));
+        }
+    const int64_t blocks = (N + 15) / 16;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
+    {
+        float *scratch = malloc((size_t)((sg + groups) * 16) * sizeof(float) + 64);
+        if (!scratch) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!scratch) continue;
+            const int64_t n0 = 16 * b;
+            float *scale = scratch, *offset = scale + sg * 16;
+            if (n0 + 16 < N) { /* the next 16 rows' scales and offsets */
+                const int64_t end = n0 + 32 < N ? n0 + 32 : N;
+                const int64_t scale_bytes = kind == NT_Q8_HALVES || kind == NT_Q4_F32 ? 4 * sg : 2 * sg;
+                for (int64_t at = (n0 + 16) * scale_bytes; at < end * scale_bytes; at += 64) {
+                    _mm_prefetch((const char *)d + at, _MM_HINT_T0);
+                    if (IS_Q4(kind)) _mm_prefetch((const char *)m + at, _MM_HINT_T0);
+                }
+            }
+            scales16(d, kind == NT_Q8_HALVES || kind == NT_Q4_F32, sg, n0, N, scale);
+            if (IS_Q4(kind)) scales16(m, kind == NT_Q4_F32, groups, n0, N, offset);
+            for (int64_t r0 = 0; r0 < M; r0 += ROWS16_PASS) {
+                const int64_t R = M - r0 < ROWS16_PASS ? M - r0 : ROWS16_PASS;
+                const uint8_t *p = planes + 2 * r0 * 64;
+                const float *pd = xd + 2 * r0 * groups, *ps = xs + 2 * r0 * groups;
+                float *o = out + r0 * ldo;
+#define NT_ROWS16(R)                                                                                                 \
+    if (kind == NT_Q4) rows16_block(NT_Q4, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);                 \
+    else if (kind == NT_Q4_F32) rows16_block(NT_Q4_F32, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);    \
+    else if (kind == NT_Q8) rows16_block(NT_Q8, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);            \
+    else rows16_block(NT_Q8_HALVES, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);
+                switch (R) {
+                case 1: NT_ROWS16(1) break;
+                case 2: NT_ROWS16(2) break;
+                case 3: NT_ROWS16(3) break;
+                default: NT_ROWS16(4) break;
+                }
+#undef NT_ROWS16
+            }
+        }
+        free(scratch);
+    }
+    free(block);
+    return failed ? -1 : 0;
+}
+
 /* The GEMM over block weights, with int16 activation codes in two levels (split_levels) or (`bytes`) int8 ones,
  * these without the outlier columns (outlier_columns), whose products are added in fp32. */
 static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,

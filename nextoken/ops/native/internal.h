@@ -213,6 +213,11 @@ typedef struct {
 NT_INTERNAL void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order);
 NT_INTERNAL int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_order, quantized_rows *out);
 NT_INTERNAL void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows);
+#ifdef NT_VNNI512
+/* gemm.c */
+NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
+                             const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads);
+#endif
 NT_INTERNAL void dequantize_row(int kind, const void *qs, const void *wd, const void *wm, int64_t n, int64_t K,
                                 float *dst);
 /* sgemm.c */

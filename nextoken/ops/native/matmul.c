@@ -416,14 +416,18 @@ static inline __attribute__((always_inline)) void q8_rows_vnni(const int kind, c
 int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                     const void *d, const void *m, float *out, int64_t ldo, int threads) {
     if (!KNOWN_KIND(kind) || K % QK || K / QK > MAX_GROUPS) return -1;
+#ifdef NT_VNNI512
+    /* Two rows and more: the GEMM's bits (block_rows16), each row's the same in any batch of two or more, and
+     * 1.5-2.5x the one-row kernels below run row by row (a pass of up to four rows each, before) at 4-12 rows. At one
+     * row those stay, as block_rows16 streamed whole models' weights 4-11% slower there (16 rows at a time). */
+    if (M > 1) return block_rows16(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
+#endif
     float *levels = malloc((size_t)(2 * M * K) * sizeof(float) + 64);
     if (!levels) return -1;
     split_levels(x, M, K, ldx, levels);
 #ifdef NT_VNNI512
-    /* VNNI at every row count: each row's bits are then what it gets alone (a sequence's numbers do not move with
-     * the batch it shares a step with), and against the AVX2 tiles below (one thread, SmolLM2's 576 x 1536 and
-     * Gemma 3's 640 x 2048 in each block format, Zen 5) 1.2-1.6x faster from 2 to 11 rows: each block of weights is
-     * loaded and unpacked once for up to four rows. */
+    /* One row (decode at batch 1; more rows take block_rows16 above): against the AVX2 tiles below 1.2-1.6x
+     * (one thread, SmolLM2's 576 x 1536 and Gemma 3's 640 x 2048 in each block format, Zen 5). */
     if (IS_Q4(kind)) {
         const int status = q4_vnni(kind, levels, M, K, N, qs, d, m, out, ldo, threads);
         free(levels);
