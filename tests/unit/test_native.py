@@ -259,7 +259,7 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (amax / 127).double()).flatten(1)
 
 
-OUTLIER_MAX, OUTLIER_RATIO = 16, 3.0  # ops/native/gemm.c
+OUTLIER_MAX, OUTLIER_RATIO, ROWS8_MAX = 16, 3.0, 16  # ops/native/gemm.c
 
 
 def outlier_columns(x: torch.Tensor) -> torch.Tensor:
@@ -322,8 +322,8 @@ def test_int8_activation_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes
 
 def test_int8_gemm_with_fixed_outlier_columns_gives_each_row_its_bits_in_any_batch(vnni: ctypes.CDLL) -> None:
     """block_matmul(gemm=True, int8_activations=True, outliers=...): with the outlier columns fixed, a row's result
-    is the same bits alone, in 2-4 rows (the kernel that streams the weights as stored) and in a batch of up to 40
-    (the GEMM over panels), on 1-3 threads: within float rounding of the float64 product of the int8 codes without
+    is the same bits alone, in up to ROWS8_MAX rows (the kernel that streams the weights as stored) and in a batch
+    of up to 40 (the GEMM over panels), on 1-3 threads: within float rounding of the float64 product of the int8 codes without
     those columns plus the columns' exact products. The fixed columns are not the batch's own choice (one left
     out, an ordinary one in). Out-of-order, out-of-range or too many columns are refused; no rows is nothing to do."""
     cases = 0
@@ -344,7 +344,7 @@ def test_int8_gemm_with_fixed_outlier_columns_gives_each_row_its_bits_in_any_bat
                 native.block_matmul(vnni, part.kind, x, part.qs, part.d, part.m, batch, gemm=True,
                                     int8_activations=True, outliers=columns)
                 assert ((batch - expected).abs() <= bound).all(), (part.kind, tuple(w.shape), x.shape[0])
-                for rows in range(1, min(4, x.shape[0]) + 1):
+                for rows in range(1, min(ROWS8_MAX, x.shape[0]) + 1):
                     for r0 in {0, x.shape[0] - rows}:
                         few = torch.full((rows, n), float("nan"))
                         native.block_matmul(vnni, part.kind, x[r0:r0 + rows], part.qs, part.d, part.m, few,

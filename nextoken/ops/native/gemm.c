@@ -451,35 +451,24 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     return failed ? -1 : 0;
 }
 
-/* ------------------------------------------- int8 activations, few rows: the weights streamed as stored */
+/* ------------------------------------------- few rows: the GEMM's bits from the weights as stored */
 
-/* With fixed outlier columns (nt_block_gemm8), decode takes int8 activations too, so its products must give each row
- * the GEMM's bits. At a few rows the GEMM is bound by widening the weights into panels (16 rows 1 to 2 KB apart per
- * load): SmolLM2's decode step took 2x the int16 block kernels' time on it. Here the weights are read as stored, 16
- * rows at a time, and each row's int32 sums per scale group come from vpdpbusd over its codes as they lie (a 64-byte
- * quad of 4 scale groups, 4 lanes each), a 16 x 16 transpose of the 16 rows' quads then putting rows in lanes, as
- * gemm_tile has them: from there the float work is gemm_tile's, operation for operation (per scale group one
- * multiply-add by the product of the scales, Q4's offset one more, then the outlier columns in order), so every
- * output has the same bits as the GEMM gives it, whatever the rows beside it. */
-#define ROWS8_MAX 4 /* activation rows up to which nt_block_gemm8 takes it */
-
-/* A row's int8 codes (quantize_row8's, natural order) laid out per quad of 4 scale groups: Q4, 128 bytes per 4 groups,
- * elements 0..15 of each group (16 bytes each) then elements 16..31, the order a quad's nibbles come out by a mask and
- * by a shift; int8 kinds keep the natural order (a quad: 2 groups of 32 for NT_Q8_HALVES, 4 for NT_Q8 in two
- * vectors). Missing groups of a last quad are zeros. */
-static void quads_of(int kind, const int8_t *q, int64_t K, int8_t *dst) {
-    const int64_t groups = K / QK;
-    if (!IS_Q4(kind)) {
-        memcpy(dst, q, (size_t)K);
-        memset(dst + K, 0, (size_t)(((groups + 3) / 4) * 128 - K));
-        return;
-    }
-    memset(dst, 0, (size_t)(((groups + 3) / 4) * 128));
-    for (int64_t b = 0; b < groups; b++) {
-        memcpy(dst + (b / 4) * 128 + (b % 4) * 16, q + b * QK, 16);
-        memcpy(dst + (b / 4) * 128 + 64 + (b % 4) * 16, q + b * QK + 16, 16);
-    }
-}
+/* Between one row and the GEMM sit small decode batches and a sequence's verified proposals. There the GEMM is bound
+ * by widening the weights into panels (16 rows 1 to 2 KB apart per load), and the one-row kernels, running row by
+ * row, by their instructions per row. Here the weights are read as stored, 16 rows at a time: each 64 bytes of the
+ * 16 rows, transposed 4 bytes to a 32-bit lane (as gemm_widen does, but in registers, once for all the rows of
+ * codes), give vectors of 4 neighbouring codes of 16 rows, and every row of activation codes meets them in vpdpbusd
+ * with its 4 matching codes broadcast. int16 codes (the exact route's two levels, split_levels) are 256 hi + lo
+ * (lo unsigned, hi signed), two planes of bytes: Q4's codes (0..15) are signed bytes against lo and unsigned ones
+ * against hi; int8 weight codes meet lo, and hi + 128 (unsigned) with 128 times their sum taken out again. int8
+ * activation codes (`bytes`, with their outlier columns fixed) are one plane: Q4's codes unsigned against them, int8
+ * weight codes against them plus 128, as gemm_tile takes them. Either way each scale group's int32 sum is exactly
+ * the GEMM's, and from there the float work is gemm_tile's, operation for operation (per scale group one multiply-add
+ * by the product of the scales, Q4's offset one more, then the outlier columns in order), so every output has the
+ * GEMM's bits whatever the rows beside it, and a row's numbers do not change with its batch or with the route its
+ * batch size takes. */
+#define FEW_PASS 4 /* activation rows per pass over 16 weight rows (up to 8 rows of codes: accumulators in registers) */
+#define ROWS8_MAX 16 /* activation rows up to which nt_block_gemm8 takes it */
 
 /* Values [0, per_row) of 16 rows' scales from row n0 (rows from N on as zeros), fp16 or (f32) fp32, as dst[v * 16 + i]
  * = row n0 + i's value v: the layout of gemm_panels' scales, by 16 x 16 transposes. */
@@ -500,69 +489,12 @@ static void scales16(const void *src, int f32, int64_t per_row, int64_t n0, int6
     }
 }
 
-/* Sums of 4 products of signed weight codes w and activation codes x (-127..127) per 32-bit lane: |w| (unsigned)
- * against x with w's sign, in one vpdpbusd. */
-static inline __m512i signed_sums(__m512i w, __m512i x) {
-    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), signed_x);
-}
-
-/* Row n's int32 sums over quad `quad` of its codes against activation codes a (quads_of), lanes 4u..4u + 3 holding
- * scale group 4 * quad + u. */
-static inline __attribute__((always_inline)) __m512i quad_sums(const int kind, const void *qs, int64_t n, int64_t K,
-                                                               int64_t quad, const int8_t *a) {
-    const int64_t groups = K / QK;
-    if (IS_Q4(kind)) {
-        const int64_t have = groups - 4 * quad < 4 ? groups - 4 * quad : 4;
-        const __mmask64 mask = have == 4 ? ~(__mmask64)0 : ((__mmask64)1 << (16 * have)) - 1;
-        const __m512i v = _mm512_maskz_loadu_epi8(mask, (const uint8_t *)qs + n * (K / 2) + quad * 64);
-        const __m512i nibble = _mm512_set1_epi8(0x0F);
-        const __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-        const __m512i x = _mm512_loadu_si512(a + quad * 128);
-        return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, x), hi,
-                                   _mm512_loadu_si512(a + quad * 128 + 64));
-    }
-    const int8_t *w = (const int8_t *)qs + n * K;
-    if (kind == NT_Q8_HALVES) { /* 64 codes: 2 groups, 4 halves */
-        const int64_t left = K - quad * 64;
-        const __m512i v = _mm512_maskz_loadu_epi8(left >= 64 ? ~(__mmask64)0 : ((__mmask64)1 << left) - 1,
-                                                  w + quad * 64);
-        return signed_sums(v, _mm512_loadu_si512(a + quad * 64));
-    }
-    __m512i part[2]; /* NT_Q8: 128 codes, 4 groups, as two vectors of 2 groups (8 lanes each) */
-    for (int h = 0; h < 2; h++) {
-        const int64_t at = quad * 128 + h * 64, left = K - at;
-        const __mmask64 mask = left >= 64 ? ~(__mmask64)0 : left <= 0 ? 0 : ((__mmask64)1 << left) - 1;
-        part[h] = signed_sums(_mm512_maskz_loadu_epi8(mask, w + (at < K ? at : 0)), _mm512_loadu_si512(a + at));
-    }
-    /* 128-bit blocks: group 0 in blocks 0-1 of part[0], group 1 in 2-3, groups 2, 3 likewise in part[1] */
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(part[0], part[1], 0x88), _mm512_shuffle_i32x4(part[0], part[1], 0xDD));
-}
-
-/* out rows [0, M) (M <= ROWS8_MAX), columns n0..n0 + 15 (those from N on not written) for weight rows n0.. against
- * the activations' codes in quads (a: M rows of `stride` bytes), their scales xd and Q4 sums xs [M][groups] and
- * outlier values xo [M][nout]. */
-static inline __attribute__((always_inline)) void rows8_block(const int kind, const int M, const int8_t *a,
-                                                              int64_t stride, const float *xd, const float *xs,
-                                                              const float *xo, const int32_t *outliers, int64_t nout,
-                                                              int64_t K, int64_t N, const void *qs, const void *d,
-                                                              const void *m, int64_t n0, float *scale, float *offset,
-                                                              float *wout, float *out, int64_t ldo) {
-    const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
-    const int64_t quads = (sg + 3) / 4;
-    if (n0 + 16 < N) { /* the next 16 rows' scales and offsets (their codes quad by quad, below) */
-        const int64_t end = n0 + 32 < N ? n0 + 32 : N;
-        const int64_t scale_bytes = kind == NT_Q8_HALVES || kind == NT_Q4_F32 ? 4 * sg : 2 * sg;
-        for (int64_t b = (n0 + 16) * scale_bytes; b < end * scale_bytes; b += 64) {
-            _mm_prefetch((const char *)d + b, _MM_HINT_T0);
-            if (IS_Q4(kind)) _mm_prefetch((const char *)m + b, _MM_HINT_T0);
-        }
-    }
-    scales16(d, kind == NT_Q8_HALVES || kind == NT_Q4_F32, sg, n0, N, scale);
-    if (IS_Q4(kind)) scales16(m, kind == NT_Q4_F32, groups, n0, N, offset);
-    /* The outlier columns' weights, as gemm_widen forms them: the bytes holding their codes, row by row (rows from
-     * N on repeat row N - 1), as [outlier][16 rows], then per outlier one vector of 16 codes. */
-    const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K;
+/* The outlier columns' weights of rows n0..n0 + 15 as gemm_widen forms them, [outlier][16 rows] into wout: the bytes
+ * holding their codes read row by row (rows from N on repeat row N - 1) at positions worked out once, then per
+ * outlier one vector of 16 codes times the scales (and plus Q4's offsets) laid out by scales16. */
+static void outlier_weights16(int kind, const void *qs, int64_t K, int64_t N, int64_t n0, const int32_t *outliers,
+                              int64_t nout, const float *scale, const float *offset, float *wout) {
+    const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, halves = kind == NT_Q8_HALVES;
     uint8_t bytes[OUTLIER_MAX][16];
     int32_t pos[OUTLIER_MAX];
     for (int64_t j = 0; j < nout; j++)
@@ -581,158 +513,70 @@ static inline __attribute__((always_inline)) void rows8_block(const int kind, co
         if (IS_Q4(kind)) w = _mm512_add_ps(w, _mm512_loadu_ps(offset + g * 16));
         _mm512_storeu_ps(wout + j * 16, w);
     }
-    __m512 f[ROWS8_MAX];
-    for (int t = 0; t < M; t++) f[t] = _mm512_setzero_ps();
-    for (int64_t quad = 0; quad < quads; quad++) {
-        if (n0 + 16 < N) { /* the next 16 rows' bytes of this quad: a thread's rows stream from memory */
-            const int64_t row_bytes = IS_Q4(kind) ? K / 2 : K, per = IS_Q4(kind) ? 64 : kind == NT_Q8 ? 128 : 64;
-            const int64_t end = n0 + 32 < N ? n0 + 32 : N;
-            for (int64_t n = n0 + 16; n < end; n++)
-                for (int64_t b = quad * per; b < quad * per + per && b < row_bytes; b += 64)
-                    _mm_prefetch((const char *)qs + n * row_bytes + b, _MM_HINT_T0);
-        }
-        for (int t = 0; t < M; t++) {
-            __m512i r[16];
-            for (int64_t i = 0; i < 16; i++)
-                r[i] = n0 + i < N ? quad_sums(kind, qs, n0 + i, K, quad, a + t * stride) : _mm512_setzero_si512();
-            transpose16_epi32(r); /* r[c] lane i: row n0 + i's lane c */
-            for (int64_t u = 0; u < 4 && 4 * quad + u < sg; u++) {
-                const int64_t s = 4 * quad + u, g = halves ? s / 2 : s;
-                const __m512i sums = _mm512_add_epi32(_mm512_add_epi32(r[4 * u], r[4 * u + 1]),
-                                                      _mm512_add_epi32(r[4 * u + 2], r[4 * u + 3]));
-                const __m512 dx = _mm512_set1_ps(xd[t * groups + g]);
-                f[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(_mm512_loadu_ps(scale + s * 16), dx),
-                                       f[t]);
-                if (IS_Q4(kind))
-                    f[t] = _mm512_fmadd_ps(_mm512_loadu_ps(offset + s * 16), _mm512_set1_ps(xs[t * groups + g]), f[t]);
-            }
-        }
-    }
-    const __mmask16 keep = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    for (int t = 0; t < M; t++) {
-        for (int64_t j = 0; j < nout; j++)
-            f[t] = _mm512_fmadd_ps(_mm512_set1_ps(xo[t * nout + j]), _mm512_loadu_ps(wout + j * 16), f[t]);
-        _mm512_mask_storeu_ps(out + t * ldo + n0, keep, f[t]);
-    }
 }
 
-/* nt_block_gemm8 with fixed outlier columns at M <= ROWS8_MAX rows (see rows8_block). */
-static int block_rows8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                       const void *d, const void *m, float *out, int64_t ldo, int threads, const int32_t *outliers,
-                       int64_t nout) {
-    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups;
-    const int64_t stride = ((groups + 3) / 4) * 128;
-    void *block = malloc((size_t)(M * (stride + K) + (2 * M * groups + M * nout) * 4 + groups * 4) + 64);
-    if (!block) return -1;
-    int8_t *a = (int8_t *)block, *natural = a + M * stride;
-    float *xd = (float *)(natural + M * K), *xs = xd + M * groups, *xo = xs + M * groups;
-    uint32_t *skip = (uint32_t *)(xo + M * nout);
-    memset(skip, 0, (size_t)groups * sizeof(uint32_t));
-    for (int64_t j = 0; j < nout; j++) skip[outliers[j] / QK] |= 1u << (outliers[j] % QK);
-    for (int64_t r = 0; r < M; r++) {
-        quantize_row8(x + r * ldx, K, natural + r * K, xd + r * groups, xs + r * groups, 0, nout ? skip : NULL);
-        quads_of(kind, natural + r * K, K, a + r * stride);
-        for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
-    }
-    const int64_t blocks = (N + 15) / 16;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
-    {
-        float *scratch = malloc((size_t)((sg + groups + OUTLIER_MAX) * 16) * sizeof(float) + 64);
-        if (!scratch) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            if (!scratch) continue;
-            float *scale = scratch, *offset = scale + sg * 16, *wout = offset + groups * 16;
-#define NT_ROWS8(T)                                                                                                  \
-    if (kind == NT_Q4) rows8_block(NT_Q4, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m, 16 * b, scale,   \
-                                   offset, wout, out, ldo);                                                          \
-    else if (kind == NT_Q4_F32) rows8_block(NT_Q4_F32, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m,     \
-                                            16 * b, scale, offset, wout, out, ldo);                                  \
-    else if (kind == NT_Q8) rows8_block(NT_Q8, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m, 16 * b,     \
-                                        scale, offset, wout, out, ldo);                                              \
-    else rows8_block(NT_Q8_HALVES, T, a, stride, xd, xs, xo, outliers, nout, K, N, qs, d, m, 16 * b, scale, offset,  \
-                     wout, out, ldo);
-            switch (M) {
-            case 1: NT_ROWS8(1) break;
-            case 2: NT_ROWS8(2) break;
-            case 3: NT_ROWS8(3) break;
-            default: NT_ROWS8(4) break;
-            }
-#undef NT_ROWS8
-        }
-        free(scratch);
-    }
-    free(block);
-    return failed ? -1 : 0;
-}
-
-/* ------------------------------------------- int16 activations, few rows: the GEMM's bits from the weights as stored */
-
-/* A few rows of the exact route (two levels of int16 codes, split_levels): decode, a sequence's verified proposals,
- * small batches. The weights are read as stored, 16 rows at a time: each 64 bytes of the 16 rows, transposed 4 bytes
- * to a 32-bit lane (as gemm_widen does, but in registers), give vectors of 4 neighbouring codes of 16 rows, and every
- * row of activation codes meets them in vpdpbusd with its 4 matching codes broadcast. An int16 code is 256 hi + lo
- * (lo unsigned, hi signed), so each code row is two planes of bytes: Q4's codes (0..15) are signed bytes against lo
- * and unsigned ones against hi; int8 codes against lo, and against hi + 128 (unsigned), 128 times their sum taken
- * out again. Both give each scale group's int32 sum w . c exactly, which is what gemm_tile's vpdpwssd sums; from
- * there the float work is gemm_tile's, operation for operation, so each output has the GEMM's bits whatever the rows
- * beside it, and a row's numbers do not change with its batch or with the route its batch size takes. Against the
- * one-row kernels it replaces (a quad of nibbles against each code row, four lanes per block, summed across lanes at
- * the end) it takes half the instructions per code row: the unpacking and the transposes are paid once per 16
- * weight rows for all the code rows. */
-#define ROWS16_PASS 4 /* activation rows (8 rows of codes) per pass over 16 weight rows: their accumulators in registers */
-
-/* The scale group's sums of 16 weight rows against T rows of codes (T even: both levels of T / 2 activation rows),
- * for `nv` vectors of weights w (4 codes of each row, 16 rows): vector i against the 4 codes at byte 4 i of each
- * row's lo plane (x: the group's codes, 64 bytes a row of codes, lo then hi), into f as gemm_tile does. Two rows of
- * codes at a time, each plane's sum in two chains (even and odd vectors): eight independent chains of multiply-adds
- * (one chain per plane left the kernel waiting on their latency), every code one displacement from x. */
-static inline __attribute__((always_inline)) void rows16_group(const int kind, const int T, const __m512i *w,
-                                                               const int nv, const uint8_t *x, __m512i wsum,
-                                                               __m512 dw, __m512 mw, const float *xd,
-                                                               const float *xs, int64_t g, int64_t groups,
-                                                               __m512 *f) {
+/* One scale group's sums of 16 weight rows against T rows of codes, for `nv` vectors of weights w (4 codes of each
+ * row, 16 rows): vector i against the 4 codes at byte 4 i of each row of codes (x: the group's codes, 64 bytes a row
+ * of codes: int16's lo plane then its hi plane, or int8 codes), into f as gemm_tile does (wsum: 128 times the int8
+ * weight codes' sums). Two rows of codes at a time, each plane's sum in two chains (even and odd vectors): up to
+ * eight independent chains of multiply-adds (one chain per plane left the kernel waiting on their latency: 35-40 G
+ * products/s on a Zen 5 core in cache, then 50-60), every code one displacement from x. */
+static inline __attribute__((always_inline)) void few_group(const int kind, const int bytes, const int T,
+                                                            const __m512i *w, const int nv, const uint8_t *x,
+                                                            __m512i wsum, __m512 dw, __m512 mw, const float *xd,
+                                                            const float *xs, int64_t g, int64_t groups, __m512 *f) {
 #pragma GCC unroll 8
     for (int t = 0; t < T; t += 2) {
-        __m512i a[2][2][2]; /* [row of codes][plane: lo, hi][chain] */
+        __m512i a[2][2][2]; /* [row of codes][plane: lo or int8 codes, hi][chain] */
         for (int j = 0; j < 2; j++)
             for (int p = 0; p < 2; p++) a[j][p][0] = a[j][p][1] = _mm512_setzero_si512();
 #pragma GCC unroll 8
         for (int i = 0; i < nv; i++)
 #pragma GCC unroll 2
             for (int j = 0; j < 2; j++) {
+                if (t + j >= T) continue;
                 int32_t l4, h4;
                 memcpy(&l4, x + (t + j) * 64 + 4 * i, 4);
                 memcpy(&h4, x + (t + j) * 64 + 32 + 4 * i, 4);
-                a[j][0][i & 1] = _mm512_dpbusd_epi32(a[j][0][i & 1], _mm512_set1_epi32(l4), w[i]);
-                a[j][1][i & 1] = IS_Q4(kind) ? _mm512_dpbusd_epi32(a[j][1][i & 1], w[i], _mm512_set1_epi32(h4))
-                                             : _mm512_dpbusd_epi32(a[j][1][i & 1], _mm512_set1_epi32(h4), w[i]);
+                __m512i *lo = &a[j][0][i & 1], *hi = &a[j][1][i & 1];
+                if (bytes && IS_Q4(kind)) *lo = _mm512_dpbusd_epi32(*lo, w[i], _mm512_set1_epi32(l4));
+                else *lo = _mm512_dpbusd_epi32(*lo, _mm512_set1_epi32(l4), w[i]);
+                if (!bytes)
+                    *hi = IS_Q4(kind) ? _mm512_dpbusd_epi32(*hi, w[i], _mm512_set1_epi32(h4))
+                                      : _mm512_dpbusd_epi32(*hi, _mm512_set1_epi32(h4), w[i]);
             }
 #pragma GCC unroll 2
         for (int j = 0; j < 2; j++) {
-            const __m512i alo = _mm512_add_epi32(a[j][0][0], a[j][0][1]);
-            __m512i ahi = _mm512_add_epi32(a[j][1][0], a[j][1][1]);
-            if (!IS_Q4(kind)) ahi = _mm512_sub_epi32(ahi, wsum); /* (hi + 128) . w - 128 sum(w) */
-            const __m512i sum = _mm512_add_epi32(alo, _mm512_slli_epi32(ahi, 8));
+            if (t + j >= T) continue;
+            __m512i sum = _mm512_add_epi32(a[j][0][0], a[j][0][1]);
+            if (bytes) {
+                if (!IS_Q4(kind)) sum = _mm512_sub_epi32(sum, wsum); /* (c + 128) . w - 128 sum(w) */
+            } else {
+                __m512i hi = _mm512_add_epi32(a[j][1][0], a[j][1][1]);
+                if (!IS_Q4(kind)) hi = _mm512_sub_epi32(hi, wsum); /* (hi + 128) . w - 128 sum(w) */
+                sum = _mm512_add_epi32(sum, _mm512_slli_epi32(hi, 8));
+            }
             const int64_t r = t + j;
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * groups + g])), f[r]);
+            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * groups + g]));
+            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, f[r]);
             if (IS_Q4(kind)) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * groups + g]), f[r]);
         }
     }
 }
 
-/* out rows [0, M) (M <= ROWS16_PASS), columns n0..n0 + 15 (those from N on not written), against M activation rows'
- * two levels of codes in planes ([groups][2M rows of codes][lo 32 bytes, hi 32 bytes]; rows 2r and 2r + 1 the levels
- * of row r; `rows` rows of codes in all per group), their scales xd and Q4 sums xs [2M][groups]. */
-static inline __attribute__((always_inline)) void rows16_block(const int kind, const int M, const uint8_t *planes,
-                                                               int64_t rows, const float *xd, const float *xs, int64_t K, int64_t N,
-                                                               const void *qs, int64_t n0, const float *scale, const float *offset,
-                                                               float *out, int64_t ldo) {
-    const int T = 2 * M;
+/* out rows [0, M) (M <= FEW_PASS), columns n0..n0 + 15 (those from N on not written), against M activation rows'
+ * codes in planes ([groups][`rows` rows of codes][64 bytes]; int16: rows 2r and 2r + 1 the levels of row r), their
+ * scales xd and Q4 sums xs [rows of codes][groups], and (bytes) outlier values xo [M][nout] with their weights wout. */
+static inline __attribute__((always_inline)) void few_block(const int kind, const int bytes, const int M,
+                                                            const uint8_t *planes, int64_t rows, const float *xd,
+                                                            const float *xs, const float *xo, int64_t nout,
+                                                            const float *wout, int64_t K, int64_t N, const void *qs,
+                                                            int64_t n0, const float *scale, const float *offset,
+                                                            float *out, int64_t ldo) {
+    const int T = bytes ? M : 2 * M;
     const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, row_bytes = IS_Q4(kind) ? K / 2 : K;
     const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
-    __m512 f[2 * ROWS16_PASS];
+    __m512 f[2 * FEW_PASS];
     for (int t = 0; t < T; t++) f[t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < row_bytes; c += 64) {
         const int64_t left = row_bytes - c;
@@ -756,8 +600,8 @@ static inline __attribute__((always_inline)) void rows16_block(const int kind, c
                     w[j] = _mm512_and_si512(r[u0 + j], nibble);
                     w[4 + j] = _mm512_and_si512(_mm512_srli_epi16(r[u0 + j], 4), nibble);
                 }
-                rows16_group(kind, T, w, 8, planes + g * rows * 64, _mm512_setzero_si512(),
-                             _mm512_loadu_ps(scale + g * 16), _mm512_loadu_ps(offset + g * 16), xd, xs, g, groups, f);
+                few_group(kind, bytes, T, w, 8, planes + g * rows * 64, _mm512_setzero_si512(),
+                          _mm512_loadu_ps(scale + g * 16), _mm512_loadu_ps(offset + g * 16), xd, xs, g, groups, f);
             }
             continue;
         }
@@ -766,49 +610,76 @@ static inline __attribute__((always_inline)) void rows16_block(const int kind, c
             const int64_t s = (c + 4 * u0) / (halves ? 16 : QK), g = halves ? s / 2 : s;
             __m512i wsum = _mm512_setzero_si512();
             for (int j = 0; j < per; j++) wsum = _mm512_dpbusd_epi32(wsum, ones, r[u0 + j]);
-            rows16_group(kind, T, r + u0, per, planes + g * rows * 64 + (halves ? 16 * (s & 1) : 0),
-                         _mm512_slli_epi32(wsum, 7), _mm512_loadu_ps(scale + s * 16), _mm512_setzero_ps(), xd, xs, g,
-                         groups, f);
+            few_group(kind, bytes, T, r + u0, per, planes + g * rows * 64 + (halves ? 16 * (s & 1) : 0),
+                      _mm512_slli_epi32(wsum, 7), _mm512_loadu_ps(scale + s * 16), _mm512_setzero_ps(), xd, xs, g,
+                      groups, f);
         }
     }
     const __mmask16 keep = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
-    for (int i = 0; i < M; i++) _mm512_mask_storeu_ps(out + i * ldo + n0, keep, _mm512_add_ps(f[2 * i], f[2 * i + 1]));
+    if (!bytes) {
+        for (int i = 0; i < M; i++)
+            _mm512_mask_storeu_ps(out + i * ldo + n0, keep, _mm512_add_ps(f[2 * i], f[2 * i + 1]));
+        return;
+    }
+    for (int t = 0; t < M; t++) {
+        for (int64_t j = 0; j < nout; j++)
+            f[t] = _mm512_fmadd_ps(_mm512_set1_ps(xo[t * nout + j]), _mm512_loadu_ps(wout + j * 16), f[t]);
+        _mm512_mask_storeu_ps(out + t * ldo + n0, keep, f[t]);
+    }
 }
 
-/* nt_block_matmul with AVX-512 VNNI: M rows of x (row stride ldx) against a block weight, with the GEMM's bits
- * (rows16_block). Returns 0, or -1 for no memory. */
-NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
-                 const void *d, const void *m, float *out, int64_t ldo, int threads) {
-    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups, T = 2 * M;
-    void *block = malloc((size_t)(T * K * (2 * (int64_t)sizeof(float) + 2) + 2 * T * groups * 4) + 64);
+/* M rows of x (row stride ldx) against a block weight with the GEMM's bits (few_block): int16 codes in two levels,
+ * or (`bytes`) int8 codes without the outlier columns outliers [nout] (fixed), whose products are added in fp32.
+ * Returns 0, or -1 for no memory. */
+static int block_few(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
+                     const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
+                     const int32_t *outliers, int64_t nout) {
+    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups, T = bytes ? M : 2 * M;
+    const size_t floats = (size_t)((bytes ? 0 : T * K) + 2 * T * groups + M * nout);
+    const size_t codes = (size_t)(bytes ? M * K : 0);
+    void *block = malloc(floats * sizeof(float) + codes + (size_t)(groups * 4 + groups * T * 64) + 64);
     if (!block) return -1;
-    float *levels = (float *)block, *xd = levels + T * K, *xs = xd + T * groups;
-    uint8_t *planes = (uint8_t *)(xs + T * groups);
-    split_levels(x, M, K, ldx, levels);
-    const __m512i flip = _mm512_set1_epi8(IS_Q4(kind) ? 0 : (char)0x80);
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t b = 0; b < groups; b++) {
-            __m512i c0, c1;
-            quantize_group(levels + t * K + b * QK, 0, 32767.0f, &c0, &c1, xd + t * groups + b, xs + t * groups + b);
-            uint8_t *dst = planes + (b * T + t) * 64;
-            _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0));
-            _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(c1));
-            _mm_storeu_si128((__m128i *)(dst + 32), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8)),
-                                                                  _mm512_castsi512_si128(flip)));
-            _mm_storeu_si128((__m128i *)(dst + 48), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(c1, 8)),
-                                                                  _mm512_castsi512_si128(flip)));
+    float *levels = (float *)block, *xd = levels + (bytes ? 0 : T * K), *xs = xd + T * groups, *xo = xs + T * groups;
+    int8_t *natural = (int8_t *)(xo + M * nout);
+    uint32_t *skip = (uint32_t *)(natural + codes);
+    uint8_t *planes = (uint8_t *)(skip + groups);
+    if (bytes) {
+        memset(skip, 0, (size_t)groups * sizeof(uint32_t));
+        for (int64_t j = 0; j < nout; j++) skip[outliers[j] / QK] |= 1u << (outliers[j] % QK);
+        for (int64_t r = 0; r < M; r++) {
+            quantize_row8(x + r * ldx, K, natural + r * K, xd + r * groups, xs + r * groups, !IS_Q4(kind),
+                          nout ? skip : NULL);
+            for (int64_t b = 0; b < groups; b++) memcpy(planes + (b * T + r) * 64, natural + r * K + b * QK, QK);
+            for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
         }
+    } else {
+        split_levels(x, M, K, ldx, levels);
+        const __m128i flip = _mm_set1_epi8(IS_Q4(kind) ? 0 : (char)0x80);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t b = 0; b < groups; b++) {
+                __m512i c0, c1;
+                quantize_group(levels + t * K + b * QK, 0, 32767.0f, &c0, &c1, xd + t * groups + b,
+                               xs + t * groups + b);
+                uint8_t *dst = planes + (b * T + t) * 64;
+                _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0));
+                _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(c1));
+                const __m128i hi0 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8));
+                const __m128i hi1 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(c1, 8));
+                _mm_storeu_si128((__m128i *)(dst + 32), _mm_xor_si128(hi0, flip));
+                _mm_storeu_si128((__m128i *)(dst + 48), _mm_xor_si128(hi1, flip));
+            }
+    }
     const int64_t blocks = (N + 15) / 16;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && blocks > 1)
     {
-        float *scratch = malloc((size_t)((sg + groups) * 16) * sizeof(float) + 64);
+        float *scratch = malloc((size_t)((sg + groups + OUTLIER_MAX) * 16) * sizeof(float) + 64);
         if (!scratch) failed = 1;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
             if (!scratch) continue;
             const int64_t n0 = 16 * b;
-            float *scale = scratch, *offset = scale + sg * 16;
+            float *scale = scratch, *offset = scale + sg * 16, *wout = offset + groups * 16;
             if (n0 + 16 < N) { /* the next 16 rows' scales and offsets */
                 const int64_t end = n0 + 32 < N ? n0 + 32 : N;
                 const int64_t scale_bytes = kind == NT_Q8_HALVES || kind == NT_Q4_F32 ? 4 * sg : 2 * sg;
@@ -819,29 +690,41 @@ NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int
             }
             scales16(d, kind == NT_Q8_HALVES || kind == NT_Q4_F32, sg, n0, N, scale);
             if (IS_Q4(kind)) scales16(m, kind == NT_Q4_F32, groups, n0, N, offset);
-            for (int64_t r0 = 0; r0 < M; r0 += ROWS16_PASS) {
-                const int64_t R = M - r0 < ROWS16_PASS ? M - r0 : ROWS16_PASS;
-                const uint8_t *p = planes + 2 * r0 * 64;
-                const float *pd = xd + 2 * r0 * groups, *ps = xs + 2 * r0 * groups;
+            if (nout) outlier_weights16(kind, qs, K, N, n0, outliers, nout, scale, offset, wout);
+            for (int64_t r0 = 0; r0 < M; r0 += FEW_PASS) {
+                const int64_t R = M - r0 < FEW_PASS ? M - r0 : FEW_PASS, first = bytes ? r0 : 2 * r0;
+                const uint8_t *p = planes + first * 64;
+                const float *pd = xd + first * groups, *ps = xs + first * groups, *po = xo + r0 * nout;
                 float *o = out + r0 * ldo;
-#define NT_ROWS16(R)                                                                                                 \
-    if (kind == NT_Q4) rows16_block(NT_Q4, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);                 \
-    else if (kind == NT_Q4_F32) rows16_block(NT_Q4_F32, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);    \
-    else if (kind == NT_Q8) rows16_block(NT_Q8, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);            \
-    else rows16_block(NT_Q8_HALVES, R, p, T, pd, ps, K, N, qs, n0, scale, offset, o, ldo);
-                switch (R) {
-                case 1: NT_ROWS16(1) break;
-                case 2: NT_ROWS16(2) break;
-                case 3: NT_ROWS16(3) break;
-                default: NT_ROWS16(4) break;
-                }
-#undef NT_ROWS16
+#define NT_FEW(B, R)                                                                                                 \
+    if (kind == NT_Q4) few_block(NT_Q4, B, R, p, T, pd, ps, po, nout, wout, K, N, qs, n0, scale, offset, o, ldo);    \
+    else if (kind == NT_Q4_F32)                                                                                      \
+        few_block(NT_Q4_F32, B, R, p, T, pd, ps, po, nout, wout, K, N, qs, n0, scale, offset, o, ldo);              \
+    else if (kind == NT_Q8)                                                                                          \
+        few_block(NT_Q8, B, R, p, T, pd, ps, po, nout, wout, K, N, qs, n0, scale, offset, o, ldo);                  \
+    else few_block(NT_Q8_HALVES, B, R, p, T, pd, ps, po, nout, wout, K, N, qs, n0, scale, offset, o, ldo);
+#define NT_FEW_ROWS(B)                                                                                               \
+    switch (R) {                                                                                                     \
+    case 1: NT_FEW(B, 1) break;                                                                                      \
+    case 2: NT_FEW(B, 2) break;                                                                                      \
+    case 3: NT_FEW(B, 3) break;                                                                                      \
+    default: NT_FEW(B, 4) break;                                                                                     \
+    }
+                if (bytes) { NT_FEW_ROWS(1) } else { NT_FEW_ROWS(0) }
+#undef NT_FEW_ROWS
+#undef NT_FEW
             }
         }
         free(scratch);
     }
     free(block);
     return failed ? -1 : 0;
+}
+
+/* nt_block_matmul's products of two rows and more with AVX-512 VNNI (two levels of int16 codes): block_few. */
+NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
+                             const void *d, const void *m, float *out, int64_t ldo, int threads) {
+    return block_few(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
 }
 
 /* The GEMM over block weights, with int16 activation codes in two levels (split_levels) or (`bytes`) int8 ones,
@@ -913,7 +796,7 @@ int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, 
     if (!KNOWN_KIND(kind) || K % QK) return -1;
     if (M == 0) return 0;
     if (num_outliers >= 0 && M <= ROWS8_MAX)
-        return block_rows8(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
+        return block_few(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
     return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
 #else
     return nt_block_gemm(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
