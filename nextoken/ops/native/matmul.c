@@ -288,9 +288,10 @@ static inline __m256 fold_ps(__m512 v) {
     return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
-/* Activation rows per pass over a weight row in q4_vnni_rows: each row's four accumulators' worth of registers (two
- * levels) beside the weight's, within the 32 of AVX-512. */
-#define VNNI_ROWS 4
+/* Activation rows per pass over a weight row in q4_vnni_rows and q8_rows_vnni: one, as nt_block_matmul gives them
+ * single rows (two and more take block_rows16, in gemm.c). With four (each row's four accumulators' worth of
+ * registers beside the weight's) they ran small batches before that kernel. */
+#define VNNI_ROWS 1
 
 /* out[(r0 + i) * ldo + n] for activation rows r0 + i, i < R (R <= VNNI_ROWS), and n in [n0, n1), one weight row at a
  * time (see tile), from both levels of each activation row in quads (code row 2r: row r's first level, 2r + 1 its
@@ -350,18 +351,9 @@ static int q4_vnni(int kind, const float *levels, int64_t M, int64_t K, int64_t 
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
-        for (int64_t r0 = 0; r0 < M; r0 += VNNI_ROWS) {
-            const int64_t R = M - r0 < VNNI_ROWS ? M - r0 : VNNI_ROWS;
-#define NT_ROWS(T)                                                                                                   \
-    if (kind == NT_Q4_F32) q4_vnni_rows(NT_Q4_F32, T, codes, stride, &xq, r0, K, qs, d, m, n0, n1, out, ldo);        \
-    else q4_vnni_rows(NT_Q4, T, codes, stride, &xq, r0, K, qs, d, m, n0, n1, out, ldo);
-            switch (R) {
-            case 1: NT_ROWS(1) break;
-            case 2: NT_ROWS(2) break;
-            case 3: NT_ROWS(3) break;
-            default: NT_ROWS(4) break;
-            }
-#undef NT_ROWS
+        for (int64_t r0 = 0; r0 < M; r0++) {
+            if (kind == NT_Q4_F32) q4_vnni_rows(NT_Q4_F32, 1, codes, stride, &xq, r0, K, qs, d, m, n0, n1, out, ldo);
+            else q4_vnni_rows(NT_Q4, 1, codes, stride, &xq, r0, K, qs, d, m, n0, n1, out, ldo);
         }
     }
     free(xq.block);
@@ -418,8 +410,8 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
     if (!KNOWN_KIND(kind) || K % QK || K / QK > MAX_GROUPS) return -1;
 #ifdef NT_VNNI512
     /* Two rows and more: the GEMM's bits (block_rows16), each row's the same in any batch of two or more, and
-     * 1.5-2.5x the one-row kernels below run row by row (a pass of up to four rows each, before) at 4-12 rows. At one
-     * row those stay, as block_rows16 streamed whole models' weights 4-11% slower there (16 rows at a time). */
+     * 1.5-2.1x the one-row kernels below (then four rows a pass) at 4-16 rows over whole models' projections and
+     * head. At one row those stay: block_rows16 streamed whole models' weights 4-11% slower there. */
     if (M > 1) return block_rows16(kind, x, M, K, ldx, N, qs, d, m, out, ldo, threads);
 #endif
     float *levels = malloc((size_t)(2 * M * K) * sizeof(float) + 64);
@@ -443,19 +435,10 @@ int nt_block_matmul(int kind, const float *x, int64_t M, int64_t K, int64_t ldx,
     for (int64_t c = 0; c < chunks; c++) {
         const int64_t n0 = c * ROW_CHUNK, n1 = n0 + ROW_CHUNK < N ? n0 + ROW_CHUNK : N;
 #ifdef NT_VNNI512
-        if (!IS_Q4(kind)) { /* as Q4 above: every row count, a row's bits its own */
-            for (int64_t r0 = 0; r0 < M; r0 += VNNI_ROWS) {
-                const int64_t R = M - r0 < VNNI_ROWS ? M - r0 : VNNI_ROWS;
-#define NT_ROWS(T)                                                                                                   \
-    if (kind == NT_Q8) q8_rows_vnni(NT_Q8, T, &xq, r0, K, (const int8_t *)qs, d, n0, n1, out, ldo);                 \
-    else q8_rows_vnni(NT_Q8_HALVES, T, &xq, r0, K, (const int8_t *)qs, d, n0, n1, out, ldo);
-                switch (R) {
-                case 1: NT_ROWS(1) break;
-                case 2: NT_ROWS(2) break;
-                case 3: NT_ROWS(3) break;
-                default: NT_ROWS(4) break;
-                }
-#undef NT_ROWS
+        if (!IS_Q4(kind)) { /* as Q4 above, a row at a time */
+            for (int64_t r0 = 0; r0 < M; r0++) {
+                if (kind == NT_Q8) q8_rows_vnni(NT_Q8, 1, &xq, r0, K, (const int8_t *)qs, d, n0, n1, out, ldo);
+                else q8_rows_vnni(NT_Q8_HALVES, 1, &xq, r0, K, (const int8_t *)qs, d, n0, n1, out, ldo);
             }
             continue;
         }
