@@ -48,7 +48,7 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                    help="how block weights meet the activations: two levels of int16 codes per 32 values (fp32's "
                         "precision), or (AVX-512 VNNI CPUs) int8 ones in every product, a few outlier columns in "
                         "fp32, fixed per product by a calibration pass at load so that a sequence's numbers do not "
-                        "depend on its batch (prefill 2.5-2.9x, decode of 8-16 sequences 1.6-1.8x, of one "
+                        "depend on its batch (prefill 2.5-2.9x, decode of 4-16 sequences 1.3-1.7x, of one "
                         "0.7-1.1x; top-1 agreement above transformers in bf16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--enforce-eager", action="store_true",
