@@ -126,3 +126,29 @@ def test_int8_activations_give_each_prompt_its_bits_in_a_batch(model: str) -> No
     alone = [numbers(llm.generate([p], params, use_tqdm=False))[0] for p in ids[:-1]]
     together = numbers(llm.generate(ids, params, use_tqdm=False))
     assert together[:-1] == alone
+
+
+@pytest.mark.parametrize("model", list(REAL_MODELS))
+def test_default_formats_give_each_prompt_its_bits_in_any_batch_of_two_or_more(model: str) -> None:
+    """With AVX-512 VNNI the default formats' products of two rows and more have the int16 GEMM's bits whatever the
+    batch (the few-row kernel up to 16 rows, the GEMM beyond), so two reference prompts decoded as a pair (decode steps
+    of 2 rows) and among 20 (steps of 20 rows: the projections' and the head's GEMM) get the same greedy tokens and
+    top-5 log-probabilities, bit for bit. (A prompt decoded alone takes the one-row kernels, whose sums run in
+    another order; before the few-row kernel, the pair's rows had those too, and the test fails then.)"""
+    from nextoken import LLM
+    from nextoken.ops import native
+
+    lib = native.library()
+    if lib is None or not lib.nt_has_vnni512():
+        pytest.skip("the few-row kernel with the GEMM's bits needs AVX-512 VNNI (elsewhere the AVX2 tiles run)")
+    llm = LLM(REAL_MODELS[model], kv_cache_bytes=TEST_KV_BYTES, enable_prefix_caching=False)
+    refs = [p["seq_ids"] for p in load_reference(model, "hf_top5.json")["prompts"]]
+    crowd = (refs * 2)[:20]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5)
+
+    def numbers(outputs: list) -> list:  # noqa: ANN001
+        return [(o.token_ids, o.outputs[0].logprobs) for o in outputs]
+
+    pair = numbers(llm.generate(crowd[:2], params, use_tqdm=False))
+    together = numbers(llm.generate(crowd, params, use_tqdm=False))
+    assert together[:2] == pair
