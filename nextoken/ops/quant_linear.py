@@ -20,7 +20,6 @@ bf16 scale and zero per 32) and others on the dense weight, with torch's GEMM fo
 from __future__ import annotations
 
 import ctypes
-
 from dataclasses import dataclass
 
 import torch
@@ -50,6 +49,9 @@ HEAD_NATIVE_MAX_ROWS = 128
 HEAD_GEMM_ROWS = 16
 VNNI_HEAD_GEMM_ROWS = 20
 
+# The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
+TORCH_INT4_MAX_ROWS = 16
+
 
 def native_max_rows(lib: ctypes.CDLL | None) -> int:
     """Rows up to which a projection's products take the block kernels on this build, the GEMM beyond."""
@@ -59,8 +61,6 @@ def native_max_rows(lib: ctypes.CDLL | None) -> int:
 def head_gemm_rows(lib: ctypes.CDLL | None) -> int:
     """Rows from which the head over the file's blocks takes the native GEMM on this build."""
     return VNNI_HEAD_GEMM_ROWS if lib is not None and lib.nt_has_vnni512() else HEAD_GEMM_ROWS
-# The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
-TORCH_INT4_MAX_ROWS = 16
 
 # Activations meet the blocks as two levels of int16 codes per 32 values by default: results within fp32 rounding of
 # fp32 over the file's weights. `activations="int8"` takes one level of int8 codes instead, its outlier columns in
