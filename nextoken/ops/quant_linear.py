@@ -154,9 +154,10 @@ class BlockLinear(nn.Module):
     packed in 16-column panels) where the projection keeps them, else the GEMM over the blocks (int16 with AVX-512
     VNNI, where no panels are kept by default), and without the native kernels torch's GEMM over `dense`.
 
-    `dense` is the fp32 weight [out, in]; None where the parts hold the weight exactly (the file's own blocks, see
-    EXACT_PANEL_TYPES): the native kernels then dequantize the panels straight from them, and no fp32 copy of the
-    weight is ever made (`shape` gives its size). With AVX-512 VNNI neither panels nor the fp32 weight are kept
+    `dense` is the fp32 weight [out, in], needed only without the native kernels (torch's GEMM); None where the
+    parts hold the weight exactly (the file's own blocks, see EXACT_PANEL_TYPES; `shape` gives its size). The
+    native kernels' panels are always dequantized from the blocks, so a prompt's prefill and its decode steps meet
+    the same weight. With AVX-512 VNNI neither panels nor the fp32 weight are kept
     (`panels`: True or False to choose), and `weight` dequantizes the blocks when asked."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
@@ -184,7 +185,7 @@ class BlockLinear(nn.Module):
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = native_max_rows(self.lib)
             if panels or (panels is None and not vnni):
-                packed = self._blocks_panels() if dense is None else native.pack(self.lib, dense)
+                packed = self._blocks_panels()  # the blocks' values: every batch size meets the same weight
             dense = None
         elif all(p.kind in NIBBLE_KINDS for p in self.parts):  # torch's int4 kernel (bf16 activations)
             self.lib = None

@@ -115,7 +115,11 @@ def test_int8_activations_give_each_prompt_its_bits_in_a_batch(model: str) -> No
     the prompts run alone (decode on the kernel for a few rows) and together with the long prompt (a prefill of about 800
     rows and decode steps of 4, on the GEMM)."""
     from nextoken import LLM
+    from nextoken.ops import native
 
+    lib = native.library()
+    if lib is None or not lib.nt_has_vnni512():
+        pytest.skip("int8 activation codes need AVX-512 VNNI; elsewhere activations='int8' runs the default formats")
     llm = LLM(REAL_MODELS[model], activations="int8", kv_cache_bytes=TEST_KV_BYTES, enable_prefix_caching=False)
     ids = prompts(model)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, prompt_logprobs=5)

@@ -105,7 +105,49 @@ static inline simde__m512i nt_e512_srai_epi32(simde__m512i a, int imm) {
     return x.v;
 }
 
+static inline simde__m512 nt_e512_cvtph_ps(simde__m256i a) {
+    uint16_t h[16];
+    float f[16];
+    simde_mm256_storeu_si256(h, a);
+    for (int i = 0; i < 16; i++) f[i] = nt_e_cvtsh_ss(h[i]);
+    return simde_mm512_loadu_ps(f);
+}
+static inline simde__m256i nt_e256_maskz_loadu_epi16(simde__mmask16 k, const void *p) {
+    uint16_t r[16];
+    for (int i = 0; i < 16; i++) {
+        r[i] = 0;
+        if (k >> i & 1) memcpy(&r[i], (const uint16_t *)p + i, sizeof(uint16_t));
+    }
+    return simde_mm256_loadu_si256(r);
+}
+static inline simde__m512i nt_e512_cvtepi8_epi32(simde__m128i a) {
+    int8_t b[16];
+    nt_e512i r;
+    simde_mm_storeu_si128(b, a);
+    for (int i = 0; i < 16; i++) r.i[i] = b[i];
+    return r.v;
+}
+static inline simde__m512i nt_e512_cvtepu8_epi32(simde__m128i a) {
+    uint8_t b[16];
+    nt_e512i r;
+    simde_mm_storeu_si128(b, a);
+    for (int i = 0; i < 16; i++) r.i[i] = b[i];
+    return r.v;
+}
+static inline simde__m512d nt_e512_roundscale_pd(simde__m512d a, int imm) { /* whole numbers (scale 0) */
+    double d[8];
+    simde_mm512_storeu_pd(d, a);
+    for (int i = 0; i < 8; i++)
+        d[i] = (imm & 3) == 0 ? nearbyint(d[i]) : (imm & 3) == 1 ? floor(d[i]) : (imm & 3) == 2 ? ceil(d[i]) : trunc(d[i]);
+    return simde_mm512_loadu_pd(d);
+}
 #define _cvtsh_ss(h) nt_e_cvtsh_ss(h)
+#undef _mm512_roundscale_pd
+#define _mm512_roundscale_pd(a, imm) nt_e512_roundscale_pd(a, imm)
+#define _mm512_cvtepi8_epi32(a) nt_e512_cvtepi8_epi32(a)
+#define _mm512_cvtepu8_epi32(a) nt_e512_cvtepu8_epi32(a)
+#define _mm512_cvtph_ps(a) nt_e512_cvtph_ps(a)
+#define _mm256_maskz_loadu_epi16(k, p) nt_e256_maskz_loadu_epi16(k, p)
 #define _cvtss_sh(f, rounding) nt_e_cvtss_sh(f)
 #define _mm512_cvtepi32_epi8(a) nt_e512_cvtepi32_epi8(a)
 #define _mm512_cvtepi32_ps(a) nt_e512_cvtepi32_ps(a)

@@ -124,7 +124,8 @@ void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows
     }
 }
 
-/* Row n of a block-quantized weight (any nt_format) as fp32: d * q (+ m). */
+/* Row n of a block-quantized weight (any nt_format) as fp32: d * q (+ m), a product and a sum each rounded (the
+ * vectors' operations are the scalar ones lane by lane: the same values on every build). */
 void dequantize_row(int kind, const void *qs, const void *wd, const void *wm, int64_t n, int64_t K,
                            float *dst) {
     const int64_t groups = K / QK;
@@ -134,10 +135,22 @@ void dequantize_row(int kind, const void *qs, const void *wd, const void *wm, in
             const int64_t at = n * groups + g;
             const float d = kind == NT_Q4_F32 ? ((const float *)wd)[at] : half_to_float(((const uint16_t *)wd)[at]);
             const float m = kind == NT_Q4_F32 ? ((const float *)wm)[at] : half_to_float(((const uint16_t *)wm)[at]);
+#ifdef NT_AVX2
+            /* element i the low nibble of byte i, element i + 16 its high one: 8 values per vector */
+            const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(m);
+            const __m128i v = _mm_loadu_si128((const __m128i *)(q + g * QK / 2)), low = _mm_set1_epi8(0x0F);
+            const __m128i nib[2] = {_mm_and_si128(v, low), _mm_and_si128(_mm_srli_epi16(v, 4), low)};
+            for (int h = 0; h < 2; h++)
+                for (int e = 0; e < 2; e++) {
+                    const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(e ? _mm_srli_si128(nib[h], 8) : nib[h]));
+                    _mm256_storeu_ps(dst + g * QK + h * 16 + e * 8, _mm256_add_ps(_mm256_mul_ps(dv, c), mv));
+                }
+#else
             for (int i = 0; i < QK / 2; i++) {
                 dst[g * QK + i] = d * (float)(q[g * QK / 2 + i] & 0x0F) + m;
                 dst[g * QK + QK / 2 + i] = d * (float)(q[g * QK / 2 + i] >> 4) + m;
             }
+#endif
         }
     } else {
         const int8_t *q = (const int8_t *)qs + n * K;
@@ -145,8 +158,14 @@ void dequantize_row(int kind, const void *qs, const void *wd, const void *wm, in
         for (int64_t g = 0; g < K / size; g++) {
             const float d = kind == NT_Q8_HALVES ? ((const float *)wd)[n * 2 * groups + g]
                                       : half_to_float(((const uint16_t *)wd)[n * groups + g]);
-#pragma omp simd
+#ifdef NT_AVX2
+            const __m256 dv = _mm256_set1_ps(d);
+            for (int64_t i = 0; i < size; i += 8)
+                _mm256_storeu_ps(dst + g * size + i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                                           _mm_loadl_epi64((const __m128i *)(q + g * size + i))))));
+#else
             for (int64_t i = 0; i < size; i++) dst[g * size + i] = d * (float)q[g * size + i];
+#endif
         }
     }
 }
