@@ -31,22 +31,23 @@ from nextoken.loader.codec import pack_nibbles, unpack_nibbles
 from nextoken.ops import native
 
 GROUP_SIZE = 32
-# Rows up to which the block kernels beat the fp32 GEMM over the packed weight (SmolLM2's decode steps on 2 AVX2
-# cores, ms a step, block kernels vs GEMM: 8 rows 40 vs 47, 12 rows 60 vs 55, 16 rows 73 vs 60, 24 rows 100 vs 72,
-# 64 rows 297 vs 202; torch's GEMM took 258 ms at 64 rows). Fused decode steps use the same threshold.
-NATIVE_MAX_ROWS = 11
+# Rows up to which the block kernels beat the GEMM without AVX-512 VNNI: the fp32 one, each thread dequantizing 16
+# weight rows at a time into a panel of its own (nt_block_gemm), whose tiles of 6 rows cost the same from 1 to 6 rows.
+# SmolLM2's 30 layers' projections on 2 Zen 3 cores, ms, block kernels vs GEMM (medians of 7 alternating rounds): 3
+# rows 24.4 vs 33.8, 4 rows 30.8 vs 34.7, 5 rows 35.8 vs 34.2, 8 rows 52.4-63.3 vs 40.9-52.8, 16 rows 99 vs 53.
+# Fused decode steps use the same threshold.
+NATIVE_MAX_ROWS = 4
 # With AVX-512 VNNI the few-row kernel has the int16 GEMM's bits from 2 rows on (block_rows16 in ops/native/gemm.c):
 # the two cross near 16-20 rows (SmolLM2's 30 layers' projections on 2 Zen 5 cores, ms, rows kernel vs GEMM: 8 rows
 # 10.0 vs 13.8, 12 rows 13.9 vs 16.3, 16 rows 17.3 vs 20.3, 20 rows 27.3 vs 25.4; Gemma 3's 16 rows 16.4 vs 18.2).
 VNNI_MAX_ROWS = 16
-# The Q8 head's kernel skips the nibble unpacking and stays ahead of a float GEMM for longer (49152 x 576 on the
-# same machine: 1 row 1.0 vs 8.2 ms, 32 rows 14.9 vs 27.6 ms). Over the file's own blocks, from HEAD_GEMM_ROWS rows on
-# the native GEMM that dequantizes 16 head rows at a time is faster still (12 rows 7.3 vs 7.1 ms, 16 rows 9.8 vs 9.3,
-# 64 rows 29.2 vs 23.8) and keeps no fp32 copy. With AVX-512 VNNI the two give the same bits from 2 rows on and
-# cross near 20 rows (ms, as above: SmolLM2's head 16 rows 3.8 vs 4.0, 20 rows 4.6 vs 4.4, 32 rows 7.3 vs 6.4;
-# Gemma 3's 16 rows 23.1 vs 26.1, 24 rows 32.2 vs 31.5).
+# Over the LM head's own blocks the native GEMM (16 head rows dequantized at a time) keeps no fp32 copy. Without
+# AVX-512 VNNI it overtakes the Q8 kernel from HEAD_GEMM_ROWS rows (SmolLM2's 49152 x 576 head on 2 Zen 3 cores, ms:
+# 4 rows 6.5 vs 6.9, 6 rows 9.1 vs 6.9, 8 rows 12.9 vs 9.6, 12 rows 19.2 vs 9.8). With AVX-512 VNNI the two give the
+# same bits from 2 rows on and cross near 20 rows (2 Zen 5 cores, SmolLM2's head 16 rows 3.8 vs 4.0, 20 rows 4.6 vs
+# 4.4, 32 rows 7.3 vs 6.4; Gemma 3's 16 rows 23.1 vs 26.1, 24 rows 32.2 vs 31.5).
 HEAD_NATIVE_MAX_ROWS = 128
-HEAD_GEMM_ROWS = 16
+HEAD_GEMM_ROWS = 5
 VNNI_HEAD_GEMM_ROWS = 20
 
 # The same for torch's int4 kernel (int4 1 row 9.0 vs fp32 28.6 ms, 16 rows 47 vs 65 ms, 64 rows 188 vs 129 ms).
@@ -150,18 +151,21 @@ def block_only_types(quant: str | None) -> tuple[GGMLQuantizationType, ...]:
 
 class BlockLinear(nn.Module):
     """A projection held as block-quantized parts (stacked output rows, each in its own format). Up to `max_rows`
-    rows take the block kernels; larger batches, with the native kernels, an fp32 GEMM over `panels` (the weight
-    packed in 16-column panels) where the projection keeps them, else the GEMM over the blocks (int16 with AVX-512
-    VNNI, where no panels are kept by default), and without the native kernels torch's GEMM over `dense`.
+    rows take the block kernels; larger batches, with the native kernels, the GEMM over the blocks (int16 with
+    AVX-512 VNNI, else fp32 over panels each thread dequantizes as it goes), or an fp32 GEMM over `panels` (the
+    weight dequantized and packed in 16-column panels once) where asked to keep them (`panels=True`), and without
+    the native kernels torch's GEMM over `dense`. The GEMM over the blocks is as fast as the packed panels' on AVX2
+    (2 Zen 3 cores: a 512-token prefill 0.999x, decode of 8 / 16 / 64 sequences 1.02x / 1.10x / 1.03x for SmolLM2;
+    Gemma 3 1.01x and 0.93x / 0.97x / 1.00x), and keeps no fp32 copy (`LLM()`'s peak memory on AVX2 without the
+    panels: SmolLM2 977 -> 574 MB, Gemma 3 1,647 -> 1,263 MB), so by default none are kept on any CPU.
 
     `dense` is the fp32 weight [out, in], needed only without the native kernels (torch's GEMM); None where the
-    parts hold the weight exactly (the file's own blocks, see EXACT_PANEL_TYPES; `shape` gives its size). The
-    native kernels' panels are always dequantized from the blocks, so a prompt's prefill and its decode steps meet
-    the same weight. With AVX-512 VNNI neither panels nor the fp32 weight are kept
-    (`panels`: True or False to choose), and `weight` dequantizes the blocks when asked."""
+    parts hold the weight exactly (the file's own blocks, see EXACT_PANEL_TYPES; `shape` gives its size). Panels are
+    always dequantized from the blocks, so a prompt's prefill and its decode steps meet the same weight; `weight`
+    dequantizes the blocks when asked."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
-                 shape: tuple[int, int] | None = None, panels: bool | None = None) -> None:
+                 shape: tuple[int, int] | None = None, panels: bool = False) -> None:
         super().__init__()
         if dense is None and shape is None:
             raise ValueError("a projection without its fp32 weight needs its shape")
@@ -176,15 +180,12 @@ class BlockLinear(nn.Module):
         # product then takes the int8 GEMM whatever its rows, so that a row's numbers do not depend on its batch.
         self.outliers: torch.Tensor | None = None
         self.lib = native.library()
-        # With AVX-512 VNNI the int16 GEMM over the blocks (nt_block_gemm) beats the fp32 one over panels for
-        # every batch past the block kernels (measured beside block_gemm_codes in ops/native/gemm.c): no panels are kept.
-        vnni = self.lib is not None and bool(self.lib.nt_has_vnni512())
         packed = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = native_max_rows(self.lib)
-            if panels or (panels is None and not vnni):
+            if panels:
                 packed = self._blocks_panels()  # the blocks' values: every batch size meets the same weight
             dense = None
         elif all(p.kind in NIBBLE_KINDS for p in self.parts):  # torch's int4 kernel (bf16 activations)
@@ -207,8 +208,8 @@ class BlockLinear(nn.Module):
                                   self.in_features)
 
     def pack_panels(self) -> None:
-        """Keep the fp32 GEMM's panels (dequantized from the blocks) where there are none, as CPUs without AVX-512
-        VNNI do: their GEMM then serves batches past the block kernels."""
+        """Keep the fp32 GEMM's panels (dequantized from the blocks) where there are none: that GEMM then serves
+        batches past the block kernels."""
         if self.lib is not None and self.panels is None:
             self.panels = self._blocks_panels()
 

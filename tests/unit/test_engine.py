@@ -366,14 +366,14 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
 def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
     """Projections stored in blocks that are exactly their weights load without being dequantized (their GEMM
-    panels come from the blocks, packed here where AVX-512 VNNI needs none): the prefill logits equal those of the
+    panels, asked for here, come from the blocks): the prefill logits equal those of the
     same file loaded in fp32."""
     path = write_tiny_model(tmp_path / "blocks.gguf", "llama", projections=qtype)
     blocks = LLM(str(path), device="cpu", weights="int4", lm_head="fp32", kv_cache_bytes=8 << 20)  # one head for both
     dense = LLM(str(path), device="cpu", weights="fp32", kv_cache_bytes=8 << 20)
     projection = blocks.engine.runner.model.layers[0].attn.qkv_proj
     assert isinstance(projection, BlockLinear) and projection.dense is None
-    assert (projection.panels is None) == bool(native.library().nt_has_vnni512())  # with VNNI no panels either
+    assert projection.panels is None  # nor GEMM panels, on any CPU
     model = blocks.engine.runner.model
     for module in model.modules():
         if isinstance(module, BlockLinear):

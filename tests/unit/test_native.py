@@ -562,7 +562,7 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
                 if products in ("int16", "int8"):
                     assert module.panels is None
                 else:
-                    module.pack_panels()  # with VNNI there are none
+                    module.pack_panels()  # by default there are none
                     for part in module.parts:
                         part.d.zero_()
         net.fused = FusedDecoder.build(net)  # its matrices with the panels, if any
@@ -723,29 +723,29 @@ def test_argmax_rows_is_numpys(build: str, lib: ctypes.CDLL, avx2: ctypes.CDLL, 
         assert native.argmax_rows(built, wide[:, :n]) == got
 
 
-def test_only_a_cpu_without_vnni_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctypes.CDLL,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """The kernels decide what a projection keeps: with AVX-512 VNNI its blocks alone, without, the fp32 GEMM's
-    panels beside them, dequantized from the blocks even where the fp32 weight they were made from is given. 4-bit files load without a float copy either way (Q4_K
-    included: its scales are kept in fp32)."""
+def test_no_cpu_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A projection keeps its blocks alone, with AVX-512 VNNI and without (where the fp32 GEMM dequantizes its panels
+    as it goes): no fp32 copy even when given its fp32 weight; asked for panels, they are the blocks' values, not
+    that weight's. 4-bit files load without a float copy either way (Q4_K included: its scales are kept in fp32)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen)
     parts = [q4_weight(*regroup(weight))]
     for kernels in (lib, avx2):
         monkeypatch.setattr(native, "library", lambda kernels=kernels: kernels)
-        vnni = bool(kernels.nt_has_vnni512())
         layer = BlockLinear(parts, weight)
-        assert (layer.panels is None) == vnni and layer.dense is None
+        assert layer.panels is None and layer.dense is None
         assert GGMLQuantizationType.Q4_K in quant_linear.block_only_types("int4")
         assert GGMLQuantizationType.Q4_K not in quant_linear.block_only_types("int8")
-        x = torch.randn(layer.max_rows + 5, 64, generator=gen)
-        # two levels of int16 activation codes over the blocks, or the fp32 GEMM over panels of the blocks (not of
-        # the weight given: prefill meets the weight decode does): either way fp32 rounding
-        reference = F.linear(x, layer.weight)
         assert torch.equal(layer.weight, dequantized(parts[0], dtype=torch.float32))
         assert not torch.equal(layer.weight, weight)
+        packed = BlockLinear(parts, weight, panels=True)
+        assert torch.equal(native.unpack(packed.panels, 40, 64), layer.weight)  # the blocks', not the weight given
+        x = torch.randn(layer.max_rows + 5, 64, generator=gen)
+        # two levels of int16 activation codes over the blocks, or the fp32 GEMM: either way fp32 rounding
+        reference = F.linear(x, layer.weight)
         bound = 1e-6 * (x.abs() @ layer.weight.abs().t()) + 1e-6
-        assert ((layer(x) - reference).abs() <= bound).all()
+        for projection in (layer, packed):
+            assert ((projection(x) - reference).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])

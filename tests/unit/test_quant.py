@@ -161,23 +161,22 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
         native.pack_blocks(lib, [(p.kind, p.qs, p.d, p.m) for p in layer.parts], weight.shape[0] + 1, 256)
 
 
-def test_with_vnni_a_projection_keeps_only_its_blocks() -> None:
-    """With AVX-512 VNNI every product runs on the blocks: by default a projection keeps neither GEMM panels nor
-    its fp32 weight, even when given one. Batches past the block kernels take the int16 GEMM over the blocks;
-    `weight` dequantizes them; `pack_panels` brings the fp32 GEMM back. Without VNNI the panels are kept."""
+def test_a_projection_keeps_only_its_blocks() -> None:
+    """On every CPU a projection keeps by default neither GEMM panels nor its fp32 weight, even when given one.
+    Batches past the block kernels take the GEMM over the blocks: the int16 one with AVX-512 VNNI, else the fp32 one
+    over panels each thread dequantizes as it goes (the packed panels' bits); `weight` dequantizes the blocks;
+    `pack_panels` brings the GEMM over packed panels back."""
     layer, exact = mixed_projection()  # with panels
     bare = BlockLinear(layer.parts, exact)
-    if not native.library().nt_has_vnni512():
-        assert bare.panels is not None and torch.equal(bare.panels, layer.panels)
-        return
     assert bare.panels is None and bare.dense is None
     assert torch.equal(bare.weight, exact)
+    vnni = bool(native.library().nt_has_vnni512())
     for rows in (1, bare.max_rows, bare.max_rows + 1, 40):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         bound = 3e-5 * (x.abs() @ exact.abs().t()) + 1e-6
         assert ((bare(x) - F.linear(x, exact)).abs() <= bound).all()
-        # the block kernels either way; past them int16 codes against the panels' fp32 products
-        assert torch.equal(bare(x), layer(x)) == (rows <= bare.max_rows)
+        # the block kernels either way; past them, with VNNI, int16 codes against the panels' fp32 products
+        assert torch.equal(bare(x), layer(x)) == (rows <= bare.max_rows or not vnni)
     bare.pack_panels()
     assert torch.equal(bare.panels, layer.panels) and torch.equal(bare(x), F.linear(x, exact))
 
@@ -191,12 +190,16 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
 
 def test_block_linear_takes_a_gemm_for_large_batches() -> None:
     """More than max_rows rows: the fp32 GEMM over the panels where the projection keeps them (the dense
-    weight's products exactly), else the GEMM over the blocks (with AVX-512 VNNI int16 activation codes: within
-    their rounding, like the block kernels; without, fp32 over rows dequantized from the blocks)."""
+    weight's products, the GEMM's own sums: those of panels packed from the dense weight), else the GEMM over the
+    blocks (with AVX-512 VNNI int16 activation codes: within their rounding, like the block kernels; without, fp32
+    over rows dequantized from the blocks)."""
     layer, dense = mixed_projection()
     xs = [torch.randn(rows, 96) for rows in (layer.max_rows + 1, 96)]
     for x in xs:
-        assert torch.equal(layer(x), F.linear(x, dense))
+        expected = torch.empty(x.shape[0], dense.shape[0])
+        native.sgemm(layer.lib, x, native.pack(layer.lib, dense), dense.shape[0], expected)
+        assert torch.equal(layer(x), expected)
+        torch.testing.assert_close(expected, F.linear(x, dense))
     layer.panels = None
     for x in xs:
         bound = 3e-5 * (x.abs() @ dense.abs().t()) + 1e-6
