@@ -114,6 +114,20 @@ def test_block_products_on_vnni(kind: int, rows: int, vnni: ctypes.CDLL, avx2: c
                 assert ((out - outs[0]).abs() <= 5e-6 * size + 1e-7).all(), (n, k, threads)
 
 
+def test_the_emulated_avx512_build_compiles_on_any_host(vnni: ctypes.CDLL) -> None:
+    """The AVX-512 routes build with their instructions emulated (emulate512.h) for an AVX2 target on every machine,
+    so an intrinsic missing from the emulation fails here even on a CPU with AVX-512 (whose `vnni` build is the
+    host's own); on a CPU without it this is the build the `vnni` tests run."""
+    emulated = native.load(native.build(flags=native.EMULATED_AVX512_FLAGS))
+    assert emulated.nt_has_vnni512() == 1 and "-march=x86-64-v3" in native.EMULATED_AVX512_FLAGS
+    x, part = torch.randn(3, 64), q4_weight(*regroup(torch.randn(5, 64)))
+    outs = []
+    for library in (emulated, vnni):
+        outs.append(torch.full((3, 5), float("nan")))
+        native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, outs[-1])
+    assert torch.equal(outs[0], outs[1])  # the few-row kernel's bits, emulated or not
+
+
 @pytest.mark.parametrize("k", [96, 256, 320, 352])  # blocks per row: 3 (scales one by one), 8 (whole vectors), 10, 11
 def test_portable_build_agrees_with_the_vectorized_one(k: int, lib: ctypes.CDLL, portable: ctypes.CDLL) -> None:
     assert portable.nt_has_avx2() == 0
