@@ -11,9 +11,9 @@ layers.py. Prefill through it: SmolLM2 1.03x, Gemma 3 1.08x (512 tokens, alterna
 rounds): its norms, rotary embedding and gated activations run on warm rows in one call.
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
-`gemm_rows` rows on (quant_linear.native_max_rows) they are bound by compute, where a GEMM is faster: the native
-fp32 GEMM over each projection's packed panels (the ones its module uses for prefill), or with AVX-512 VNNI, where
-projections keep no panels, the int16 GEMM over the blocks; the step stays one native call either way.
+`gemm_rows` rows on (quant_linear.native_max_rows) they are bound by compute, where a GEMM over the blocks is
+faster (int16 with AVX-512 VNNI, else fp32 over panels dequantized as it goes; over a projection's packed panels
+where it was asked to keep them); the step stays one native call either way.
 
 It is only a faster route through the same model: the modules stay the definition (GPUs use them, and so does a
 tracer that re-runs a fused step to show its attention), and tests hold the two to the same outputs. It applies when

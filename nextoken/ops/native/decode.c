@@ -12,9 +12,9 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the fp32 one over the
- * panels where the matrix has them, else the one over the blocks (nt_block_gemm: int16 with AVX-512 VNNI, where
- * projections keep no panels); fewer rows take the block kernels (bound by the bytes of the weight). */
+/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the one over the blocks
+ * (nt_block_gemm: int16 with AVX-512 VNNI, else fp32 over panels dequantized as it goes), or the fp32 one over the
+ * matrix's packed panels where it was given them; fewer rows take the block kernels (bound by the weight's bytes). */
 static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
     const int fixed = w->int8_activations && w->num_outliers >= 0; /* nt_matrix: every product on nt_block_gemm8 */
     const int gemm = M >= gemm_rows || fixed;

@@ -160,9 +160,10 @@ void dequantize_row(int kind, const void *qs, const void *wd, const void *wm, in
                                       : half_to_float(((const uint16_t *)wd)[n * groups + g]);
 #ifdef NT_AVX2
             const __m256 dv = _mm256_set1_ps(d);
-            for (int64_t i = 0; i < size; i += 8)
-                _mm256_storeu_ps(dst + g * size + i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                                           _mm_loadl_epi64((const __m128i *)(q + g * size + i))))));
+            for (int64_t i = 0; i < size; i += 8) {
+                const __m128i c = _mm_loadl_epi64((const __m128i *)(q + g * size + i));
+                _mm256_storeu_ps(dst + g * size + i, _mm256_mul_ps(dv, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c))));
+            }
 #else
             for (int64_t i = 0; i < size; i++) dst[g * size + i] = d * (float)q[g * size + i];
 #endif

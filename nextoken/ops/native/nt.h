@@ -79,7 +79,7 @@ typedef struct {
 
 /* A projection as up to NT_MAX_PARTS stacked parts (rows of the output), each in its own format: a fused QKV
  * projection whose V comes from 6-bit blocks while Q and K come from 4-bit ones. `panels`: the whole fp32 weight
- * packed by nt_sgemm_pack, for products of many rows (null: the block kernels take every product). */
+ * packed by nt_sgemm_pack, for products of many rows (null, as projections load: the GEMM over the blocks). */
 typedef struct {
     int64_t num_parts, n;
     nt_part parts[NT_MAX_PARTS];
