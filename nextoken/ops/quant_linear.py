@@ -155,8 +155,9 @@ class BlockLinear(nn.Module):
     AVX-512 VNNI, else fp32 over panels each thread dequantizes as it goes), or an fp32 GEMM over `panels` (the
     weight dequantized and packed in 16-column panels once) where asked to keep them (`panels=True`), and without
     the native kernels torch's GEMM over `dense`. The GEMM over the blocks is as fast as the packed panels' on AVX2
-    (2 Zen 3 cores: a 512-token prefill 0.999x, decode of 8 / 16 / 64 sequences 1.02x / 1.10x / 1.03x for SmolLM2;
-    Gemma 3 1.01x and 0.93x / 0.97x / 1.00x), and keeps no fp32 copy (`LLM()`'s peak memory on AVX2 without the
+    (2 Zen 3 cores, the time of a 512-token prefill 0.999x and 1.05x in two runs, decode of 8 / 16 / 64 sequences
+    1.02-1.10x / 1.01-1.10x / 1.00-1.03x the tokens a second for SmolLM2; Gemma 3, one run, 1.01x and 0.93x / 0.97x /
+    1.00x), and keeps no fp32 copy (`LLM()`'s peak memory on AVX2 without the
     panels: SmolLM2 977 -> 574 MB, Gemma 3 1,647 -> 1,263 MB), so by default none are kept on any CPU.
 
     `dense` is the fp32 weight [out, in], needed only without the native kernels (torch's GEMM); None where the

@@ -120,12 +120,17 @@ def test_the_emulated_avx512_build_compiles_on_any_host(vnni: ctypes.CDLL) -> No
     host's own); on a CPU without it this is the build the `vnni` tests run."""
     emulated = native.load(native.build(flags=native.EMULATED_AVX512_FLAGS))
     assert emulated.nt_has_vnni512() == 1 and "-march=x86-64-v3" in native.EMULATED_AVX512_FLAGS
-    x, part = torch.randn(3, 64), q4_weight(*regroup(torch.randn(5, 64)))
-    outs = []
-    for library in (emulated, vnni):
-        outs.append(torch.full((3, 5), float("nan")))
-        native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, outs[-1])
-    assert torch.equal(outs[0], outs[1])  # the few-row kernel's bits, emulated or not
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 64, generator=gen)
+    for part in (q4_weight(*regroup(torch.randn(5, 64, generator=gen))), q4k_weight(5, 64, gen)):  # fp16, fp32 scales
+        dense = dequantized(part, dtype=torch.float32).double()
+        outs = []
+        for library in (emulated, vnni):
+            outs.append(torch.full((3, 5), float("nan")))
+            native.block_matmul(library, part.kind, x, part.qs, part.d, part.m, outs[-1])
+        bound = 1e-5 * (x.abs().double() @ dense.abs().t()) + 1e-6
+        assert ((outs[0].double() - x.double() @ dense.t()).abs() <= bound).all()  # the few-row kernel's products
+        assert torch.equal(outs[0], outs[1])  # and its bits, emulated or not (the same build on a CPU without VNNI)
 
 
 @pytest.mark.parametrize("k", [96, 256, 320, 352])  # blocks per row: 3 (scales one by one), 8 (whole vectors), 10, 11

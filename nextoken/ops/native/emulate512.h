@@ -120,18 +120,11 @@ static inline simde__m256i nt_e256_maskz_loadu_epi16(simde__mmask16 k, const voi
     }
     return simde_mm256_loadu_si256(r);
 }
-static inline simde__m512i nt_e512_cvtepi8_epi32(simde__m128i a) {
-    int8_t b[16];
-    nt_e512i r;
-    simde_mm_storeu_si128(b, a);
-    for (int i = 0; i < 16; i++) r.i[i] = b[i];
-    return r.v;
-}
-static inline simde__m512i nt_e512_cvtepu8_epi32(simde__m128i a) {
+static inline simde__m512i nt_e512_widen8(simde__m128i a, int is_signed) { /* 16 bytes to 32-bit lanes */
     uint8_t b[16];
     nt_e512i r;
     simde_mm_storeu_si128(b, a);
-    for (int i = 0; i < 16; i++) r.i[i] = b[i];
+    for (int i = 0; i < 16; i++) r.i[i] = is_signed ? (int8_t)b[i] : b[i];
     return r.v;
 }
 static inline simde__m512d nt_e512_roundscale_pd(simde__m512d a, int imm) { /* whole numbers (scale 0) */
@@ -144,8 +137,8 @@ static inline simde__m512d nt_e512_roundscale_pd(simde__m512d a, int imm) { /* w
 #define _cvtsh_ss(h) nt_e_cvtsh_ss(h)
 #undef _mm512_roundscale_pd
 #define _mm512_roundscale_pd(a, imm) nt_e512_roundscale_pd(a, imm)
-#define _mm512_cvtepi8_epi32(a) nt_e512_cvtepi8_epi32(a)
-#define _mm512_cvtepu8_epi32(a) nt_e512_cvtepu8_epi32(a)
+#define _mm512_cvtepi8_epi32(a) nt_e512_widen8(a, 1)
+#define _mm512_cvtepu8_epi32(a) nt_e512_widen8(a, 0)
 #define _mm512_cvtph_ps(a) nt_e512_cvtph_ps(a)
 #define _mm256_maskz_loadu_epi16(k, p) nt_e256_maskz_loadu_epi16(k, p)
 #define _cvtss_sh(f, rounding) nt_e_cvtss_sh(f)
