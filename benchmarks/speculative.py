@@ -5,7 +5,7 @@ temperature 1 with a seed: speculation draws the same tokens, so both sides deco
 the rejection rule: the same distribution of texts, not the same text).
 
 Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--activations int16|int8] [--max-tokens N]
-     [--repeats N] [--k K] [--speculative ngram|draft:MODEL] [--only ...]
+     [--repeats N] [--k K] [--speculative ngram|draft:MODEL|self:L|head:N] [--only ...]
 One process, one model loaded twice (plain, and with `speculative=...`); each prompt runs on both, taking turns
 `--repeats` times, and the medians of decode tokens/s (first token to last) are compared: the ratio is the speed-up.
 Acceptance: accepted / proposed tokens; mean accepted length: accepted tokens per verifying step. The outputs of both
@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
-    ap.add_argument("--speculative", default="ngram", help="the proposer: ngram or draft:MODEL")
+    ap.add_argument("--speculative", default="ngram", help="the proposer: ngram, draft:MODEL, self:L or head:N")
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
     plain = LLM(args.model, dtype=args.dtype, activations=args.activations)

@@ -62,8 +62,9 @@ def add_speculative(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative", default=None, metavar="PROPOSER",
                    help="speculative decoding: ngram (tokens proposed by prompt lookup over the sequence's own "
                         "tokens), draft:MODEL (by a model sharing the vocabulary, e.g. the same one in int4 for "
-                        "an fp32 target) or self:L (by the model's first L layers and its head), verified in one "
-                        "pass; the output is unchanged, k adapts to what pays")
+                        "an fp32 target), self:L (by the model's first L layers and its head) or head:N (by the whole "
+                        "model through its head's N likeliest tokens, e.g. head:16384), verified in one pass; the "
+                        "output is unchanged, k adapts to what pays")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
                    help="with --speculative: the most tokens proposed per step (1-64; default 24)")
 

@@ -95,7 +95,9 @@ class EngineConfig:
     threads: int | None = None
     # Speculative decoding (engine/speculative.py): None (off) | "ngram" (prompt lookup over the sequence's own
     # tokens) | "draft:MODEL" (a model sharing the vocabulary drafts, engine/draft.py) | "self:L" (the model's first
-    # L layers, its final norm and head draft: early exit). num_speculative_tokens: the most tokens proposed per
+    # L layers, its final norm and head draft: early exit) | "head:N" (the whole model drafts with its head cut to
+    # the N tokens it deems likeliest, over its own cache; verifying computes only the full head, engine/head_draft.py).
+    # num_speculative_tokens: the most tokens proposed per
     # sequence and step (k adapts below it, down to 0); None: DEFAULT_SPECULATIVE_TOKENS.
     speculative: str | None = None
     num_speculative_tokens: int | None = None
@@ -119,6 +121,15 @@ class EngineConfig:
             return None
         layers = spec[len("self:"):]
         return int(layers) if layers.isdigit() and int(layers) > 0 else None
+
+    @property
+    def head_draft_vocab(self) -> int | None:
+        """N of speculative="head:N" (a positive whole number; checked against the vocabulary when loaded)."""
+        spec = self.speculative
+        if not isinstance(spec, str) or not spec.startswith("head:"):
+            return None
+        size = spec[len("head:"):]
+        return int(size) if size.isdigit() and int(size) > 0 else None
 
     @property
     def max_speculative_tokens(self) -> int:
@@ -153,9 +164,10 @@ class EngineConfig:
         need(self.max_tokens_default >= 1, f"max_tokens_default={self.max_tokens_default}")
         need(self.speculative in SPECULATIVE_PROPOSERS
              or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and self.draft_model)
-             or self.self_draft_layers is not None,
+             or self.self_draft_layers is not None or self.head_draft_vocab is not None,
              f"speculative={self.speculative!r} (ngram: prompt lookup over the sequence's own tokens; draft:MODEL: "
-             "a model sharing the vocabulary proposes; self:L: the model's first L layers and its head propose)")
+             "a model sharing the vocabulary proposes; self:L: the model's first L layers and its head propose; "
+             "head:N: the whole model proposes through its head's N likeliest tokens)")
         k = self.num_speculative_tokens
         need(k is None or (isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= MAX_SPECULATIVE_TOKENS),
              f"num_speculative_tokens={k!r} (a whole number from 1 to {MAX_SPECULATIVE_TOKENS})")

@@ -86,6 +86,25 @@ class ForwardBatch:
             prompt_logprob_rows=prompt_rows,
         )
 
+    @classmethod
+    def single_tokens(cls, rows: list[tuple[list[int], int, int]], block_size: int,
+                      device: torch.device) -> ForwardBatch:
+        """One token per sequence, given as (its block table, the token, its position): written into those blocks
+        at that position, attending over every position before it, a logits row each. The passes of the head
+        draft (engine/head_draft.py): a drafted token, or the last token of a chunk whose others it computed."""
+        tables = [table for table, _, _ in rows]
+        ids = [token for _, token, _ in rows]
+        positions = [p for _, _, p in rows]
+        slots = [table[p // block_size] * block_size + p % block_size for table, _, p in rows]
+        n = len(rows)
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        flat = torch.tensor(ids + positions + slots, dtype=torch.long, device=device)
+        meta = AttentionMetadata(slot_mapping=flat[2 * n:], query_start_loc=list(range(n + 1)),
+                                 seq_lens=[p + 1 for p in positions], block_tables=block_tables.to(device),
+                                 block_size=block_size, first_blocks=first_blocks(tables))
+        return cls(flat[:n], flat[n:2 * n], meta, None, list(range(n)), [None] * n)
+
 
 def first_blocks(tables: list[list[int]]) -> list[int | None]:
     """Per block table, its first block where its blocks are consecutive (AttentionMetadata.first_blocks)."""

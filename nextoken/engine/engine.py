@@ -91,7 +91,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill)
         self.sampler = Sampler()
         # Speculative decoding (engine/speculative.py), its verifying passes timed now for the choice of k.
-        self.speculator = Speculator.build(config, self.runner, self.max_model_len)
+        self.speculator = Speculator.build(config, self.runner, self.max_model_len, self.block_manager,
+                                           lambda: calibration_ids(self.inputs))
         self.eog_ids = frozenset(self.model_config.eog_ids)
         self._live: dict[str, _Live] = {}
         self._beam_groups: dict[str, BeamGroup] = {}  # beam searches by request id (engine/beam.py)

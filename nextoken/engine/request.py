@@ -73,6 +73,10 @@ class Request:
         # The last verifying step's rejection rule (engine/rejection.RuleTrail; None: the one-hot rule), for a tracer.
         self.spec_rule: Any = None
         self.spec_state: Any = None
+        # The head draft's passes over this request's own cache (engine/head_draft.py): (the position of their first
+        # token, the tokens they drafted, the final norm's rows [len(drafted), hidden] for the last known token and
+        # each drafted one but the last), so that verifying computes only the last proposal; None otherwise.
+        self.spec_hidden: tuple[int, list[int], torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -209,7 +209,45 @@ class ModelRunner:
         batch = self._native_step(scheduled)
         if batch is not None:
             return batch, batch.logits
+        drafted = self._verify_drafted(scheduled)
+        if drafted is not None:
+            return drafted
         return self._forward(scheduled)
+
+    @torch.inference_mode()
+    def _verify_drafted(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor] | None:
+        """A step verifying proposals whose passes through every block the head draft already ran over these
+        requests' own caches (engine/head_draft.py, `Request.spec_hidden`): only each chunk's last token runs
+        through the blocks, then the LM head takes the draft's rows and those, in the rows' usual order. None
+        unless every chunk is one known token that samples, with the draft's rows for all its proposals (None
+        sends the step through the ordinary forward pass, which computes every proposal again)."""
+        if self.tp is not None or not any(item.spec_ids for item in scheduled):
+            return None
+        rows: list[tuple[list[int], int, int]] = []
+        for item in scheduled:
+            req, k = item.request, len(item.spec_ids)
+            p = req.num_computed_tokens
+            if item.num_new_tokens != 1 or not item.samples or (req.params.prompt_logprobs is not None
+                                                                and p < req.num_prompt_tokens):
+                return None
+            # Row j of the draft's passes followed the drafted tokens before it: they must be the proposals here.
+            if k and (req.spec_hidden is None or req.spec_hidden[0] != p
+                      or req.spec_hidden[1][:k - 1] != item.spec_ids[:k - 1] or len(req.spec_hidden[1]) < k):
+                return None
+            rows.append((req.block_table, item.spec_ids[-1] if k else req.all_ids[p], p + k))
+        batch = ForwardBatch.single_tokens(rows, self.block_size, self.device)
+        last = self.model(batch.input_ids, batch.positions, self.kv_pool.layers, batch.attn, head=False)
+        parts: list[torch.Tensor] = []
+        batch.sample_rows = []
+        at = 0
+        for i, item in enumerate(scheduled):
+            batch.sample_rows.append(at)
+            if item.spec_ids:
+                parts.append(item.request.spec_hidden[2][:len(item.spec_ids)])  # type: ignore[index]
+            parts.append(last[i:i + 1])
+            at += len(item.spec_ids) + 1
+        hidden = torch.cat(parts)
+        return batch, self.model.compute_logits(hidden, self._logits_buffer(hidden.shape[0]))
 
     def _native_step(self, scheduled: list[ScheduledRequest]) -> DecodeBatch | None:
         """A pure decode step in one native call (NativeStep), where it applies; None otherwise. Where the sampler

@@ -150,11 +150,12 @@ class Scheduler:
             ids = req.all_ids + item.spec_ids[:num_accepted] if num_accepted else req.all_ids
             self.bm.cache_full_blocks(req.block_table, ids, req.num_cached_blocks, num_full)
             req.num_cached_blocks = num_full
-        if item.spec_ids:
-            keep = self.bm.blocks_needed(req.num_computed_tokens)
-            if len(req.block_table) > keep:
-                self.bm.free(req.block_table[keep:])
-                del req.block_table[keep:]
+        # Blocks past the computed tokens: rejected proposals', or those a head draft took for proposals this step
+        # had no room to verify (engine/head_draft.py).
+        keep = self.bm.blocks_needed(req.num_computed_tokens)
+        if len(req.block_table) > keep:
+            self.bm.free(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def finish(self, req: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End a request wherever it is (running or waiting) and give its blocks back at once."""

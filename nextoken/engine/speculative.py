@@ -1,8 +1,8 @@
 """Speculative decoding: tokens proposed cheaply, then verified in one forward pass of the target model, so that a
 step can yield several tokens without changing what is generated (Leviathan et al. 2022; Chen et al. 2023).
 
-Proposers: prompt lookup (engine/ngram.py) and draft models (engine/draft.py); how many of a sequence's proposals
-are verified: engine/spec_policy.py.
+Proposers: prompt lookup (engine/ngram.py), draft models (engine/draft.py) and the model itself with a cut head
+(engine/head_draft.py); how many of a sequence's proposals are verified: engine/spec_policy.py.
 
 Verification (LLMEngine.step): the scheduler computes a request's proposals after its last known token, and each
 gets a logits row. Every row is sampled as plain decoding would sample it at that point: penalties and processors
@@ -18,12 +18,14 @@ same tokens (up to a logit's last bits, which may move with the rows of a pass).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from nextoken.cache.block_manager import BlockManager
 from nextoken.config import EngineConfig
 from nextoken.engine.draft import DraftModel
+from nextoken.engine.head_draft import HeadDraft
 from nextoken.engine.rejection import Decision, RuleTrail, distributions, rejection_rule
 from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
@@ -101,7 +103,7 @@ class Speculator:
     """Proposes each decoding sequence's next tokens before a step (`propose`) and learns from what was accepted
     (`record`) and what steps cost (`observe`)."""
 
-    def __init__(self, max_k: int, costs: StepCosts, draft: DraftModel | None = None) -> None:
+    def __init__(self, max_k: int, costs: StepCosts, draft: DraftModel | HeadDraft | None = None) -> None:
         self.max_k = max_k
         self.costs = costs
         self.policy = KPolicy(costs, max_k)
@@ -113,19 +115,23 @@ class Speculator:
         self.adaptive = True
 
     @classmethod
-    def build(cls, config: EngineConfig, runner: ModelRunner, max_model_len: int) -> Speculator | None:
-        """The engine's speculator, where `config.speculative` asks for one: its proposer (a draft model loaded, or
-        the target's first layers) and its step costs, timed on the weights' final pages (no background copy beside
-        the passes)."""
+    def build(cls, config: EngineConfig, runner: ModelRunner, max_model_len: int, blocks: BlockManager,
+              text: Callable[[], list[int]]) -> Speculator | None:
+        """The engine's speculator, where `config.speculative` asks for one: its proposer (a draft model loaded, the
+        target's first layers, or the target with a cut head, whose likeliest tokens come from its predictions over
+        `text()`) and its step costs, timed on the weights' final pages (no background copy beside the passes)."""
         max_k = config.max_speculative_tokens
         if not max_k:
             return None
-        draft = None
+        draft: DraftModel | HeadDraft | None = None
         if config.draft_model:
             draft = DraftModel.load(config.draft_model, config, runner.model_config.vocab_size, max_model_len)
         elif config.self_draft_layers:
             draft = DraftModel.early_exit(runner, config.self_draft_layers)
         runner.settle()
+        if config.head_draft_vocab:  # its verifying steps run the blocks over one token per sequence
+            head = HeadDraft.build(runner, config.head_draft_vocab, blocks, text(), runner.model_config.eog_ids)
+            return cls(max_k, StepCosts(head.verify_costs(verify_rows(max_k))), head)
         if draft is not None:
             draft.runner.settle()
             draft.time_passes()

@@ -156,16 +156,17 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCacheLayer],
                 meta: AttentionMetadata, logits_indices: torch.Tensor | None = None,
-                logits_out: torch.Tensor | None = None, *, modules: bool = False) -> torch.Tensor:
+                logits_out: torch.Tensor | None = None, *, modules: bool = False, head: bool = True) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> logits [len(logits_indices) or num_tokens, vocab] (fp32), in
         `logits_out` where given (compute_logits).
 
         Only the rows named by `logits_indices` go through the LM head: in prefill, usually just each sequence's
         last token. With `modules`, every block runs through its torch modules even where the fused decoder would
-        take them (a tracer re-running a fused step to look inside its layers). A probe, where set, is told of each
-        stage (ForwardProbe).
+        take them (a tracer re-running a fused step to look inside its layers). Without `head`, the rows stop
+        before it: the final norm's output [rows, hidden], what compute_logits takes (a pass whose head comes
+        later, engine/head_draft.py; no probe sees it). A probe, where set, is told of each stage (ForwardProbe).
         """
-        probe = self.probe
+        probe = self.probe if head else None
         if probe is not None:
             probe.begin(positions)
         x = self.embed(input_ids, positions)
@@ -184,6 +185,8 @@ class CausalLM(nn.Module):
             probe.blocks_done()
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
+        if not head:
+            return x if fused else self.norm(x)
         logits = self.compute_logits(x if fused else self.norm(x), logits_out)
         if probe is not None:
             probe.end(logits)

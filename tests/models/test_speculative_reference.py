@@ -1,8 +1,10 @@
 """Speculative decoding on the real models against the reference: 48-token greedy continuations of every reference
 prompt identical to transformers' (tests/data/reference), with n-gram proposals verified on every step they exist
 (not only where the adaptive k would verify them), the prompts batched together, in fp32 and the CPU's default
-formats; with SmolLM2 in int4 drafting for SmolLM2 in fp32; with SmolLM2's first 10 layers drafting (early exit). Verifying passes run the proposals as extra rows (the block kernels to 11 rows, a GEMM from 12), so this
-holds those paths' logits to the reference's greedy choice too."""
+formats; with SmolLM2 in int4 drafting for SmolLM2 in fp32; with SmolLM2's first 10 layers drafting (early exit);
+with each model drafting for itself through its head's likeliest tokens (then verifying runs the full head over the
+drafted rows). Verifying passes run the proposals as extra rows (the block kernels for a few, a GEMM past them), so
+this holds those paths' logits to the reference's greedy choice too."""
 
 from __future__ import annotations
 
@@ -17,7 +19,9 @@ ROUTES = [pytest.param("smollm2", "float32", "ngram"),
           pytest.param("smollm2", "auto", "ngram", marks=needs_native),
           pytest.param("gemma3", "auto", "ngram", marks=needs_native),
           pytest.param("smollm2", "float32", "draft:smollm2-135m-instruct", marks=needs_native),
-          pytest.param("smollm2", "auto", "self:10", marks=needs_native)]
+          pytest.param("smollm2", "auto", "self:10", marks=needs_native),
+          pytest.param("smollm2", "auto", "head:8192", marks=needs_native),
+          pytest.param("gemma3", "auto", "head:16384", marks=needs_native)]
 
 
 @pytest.mark.parametrize(("model", "dtype", "speculative"), ROUTES)

@@ -229,6 +229,75 @@ def test_self_speculation_needs_fewer_layers_than_the_model(tiny_llama: Path) ->
         _llm(tiny_llama, speculative="self:2")
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0.9, top_k=8, max_tokens=40, ignore_eos=True, seed=4, repetition_penalty=1.2),
+    SamplingParams(temperature=0.7, max_tokens=30, seed=1, n=3, stop=["th"]),
+], ids=["greedy", "seeded", "n3-stop"])
+def test_head_draft_output_is_plain_output(tiny: Path, params: SamplingParams) -> None:
+    """The whole model drafts through its head's likeliest tokens, over the requests' own caches; verifying runs
+    only the last proposal through the blocks. Some proposals swapped for random ones (then the draft's rows no
+    longer follow the proposals and the step takes the ordinary forward pass): the output is still plain
+    decoding's, and every block the drafts took comes back."""
+    spec = _forced(tiny, k=4, wrong=0.2, speculative="head:40")
+    runner = spec.engine.runner
+    deferred = []
+    verify = runner._verify_drafted
+
+    def counted(scheduled: list) -> object:
+        result = verify(scheduled)
+        deferred.append(result is not None)
+        return result
+
+    runner._verify_drafted = counted  # type: ignore[method-assign]
+    assert _same_outputs(_llm(tiny), spec, params) > 0
+    assert any(deferred) and not all(deferred)  # both routes taken
+    draft = spec.engine.speculator.draft  # type: ignore[union-attr]
+    assert len(draft.vocab) == 40 and set(spec.model_config.eog_ids) <= set(draft.vocab.tolist())
+
+
+def test_head_draft_verifies_only_its_last_proposal_through_the_blocks(tiny_llama: Path) -> None:
+    """A verifying step after a head draft computes the logits rows the ordinary forward pass computes for the same
+    proposals (the draft's rows are plain decoding's one-token passes), at one token per sequence."""
+    spec = _forced(tiny_llama, k=3, speculative="head:60")
+    engine = spec.engine
+    checked = []
+    verify, forward = engine.runner._verify_drafted, engine.runner._forward
+
+    def both(scheduled: list) -> object:
+        result = verify(scheduled)
+        if result is not None:
+            batch, logits = result
+            assert batch.input_ids.numel() == len(scheduled)
+            kept = logits.clone()
+            _, full = forward(scheduled)
+            torch.testing.assert_close(kept, full, rtol=1e-4, atol=1e-4)
+            checked.append(len(kept))
+            return batch, kept
+        return result
+
+    engine.runner._verify_drafted = both  # type: ignore[method-assign]
+    spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert checked and max(checked) > len(PROMPTS)
+
+
+def test_head_draft_under_preemption_and_chunking(tiny_llama: Path) -> None:
+    """The drafts take blocks for their proposals from the free ones: never preempting anyone, and given back."""
+    kv_bytes_per_block = 16 * 2 * 2 * 2 * 16 * 4
+    options = dict(kv_cache_bytes=12 * kv_bytes_per_block, max_num_batched_tokens=32, block_size=16)
+    spec = _forced(tiny_llama, k=6, wrong=0.2, speculative="head:50", **options)
+    prompts = [("the cat sat on the mat and " * 4) + p for p in PROMPTS[:4]] * 2
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True)
+    assert _same_outputs(_llm(tiny_llama, **options), spec, params, prompts) > 0
+    assert spec.engine.scheduler.num_preemptions > 0
+
+
+def test_head_draft_needs_fewer_tokens_than_the_vocabulary(tiny_llama: Path) -> None:
+    vocab = _llm(tiny_llama).model_config.vocab_size
+    with pytest.raises(NextokenError, match=f"from 1 to {vocab - 1}"):
+        _llm(tiny_llama, speculative=f"head:{vocab}")
+
+
 # --- the rejection rule -----------------------------------------------------------------------------------------
 
 
@@ -291,18 +360,24 @@ def _chi_square(counts: Counter, expected: dict[tuple[int, ...], float], num: in
     return float(stats.chisquare(observed, want * observed.sum() / want.sum()).pvalue)
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=12.0, top_k=3, max_tokens=3, ignore_eos=True),
-    SamplingParams(temperature=12.0, top_p=0.95, min_p=0.2, repetition_penalty=1.02, max_tokens=3, ignore_eos=True),
-], ids=["top-k", "top-p-min-p-penalty"])
+@pytest.mark.parametrize(("params", "proposer"), [
+    (SamplingParams(temperature=12.0, top_k=3, max_tokens=3, ignore_eos=True), "draft"),
+    (SamplingParams(temperature=12.0, top_p=0.95, min_p=0.2, repetition_penalty=1.02, max_tokens=3, ignore_eos=True),
+     "draft"),
+    (SamplingParams(temperature=12.0, top_k=8, max_tokens=3, ignore_eos=True), "head:40"),
+    (SamplingParams(temperature=12.0, top_k=8, repetition_penalty=1.02, max_tokens=3, ignore_eos=True), "head:40"),
+], ids=["top-k", "top-p-min-p-penalty", "head-draft", "head-draft-penalty"])
 def test_sampled_drafts_follow_the_target_distribution(tiny_llama: Path, other_llama: Path,
-                                                       params: SamplingParams) -> None:
-    """Another model (other weights) draws each proposal from its own distribution after the same penalties and
-    filters; the target keeps it with probability min(1, p / q) and draws from the residual max(0, p - q) at the
-    first rejection. The joint frequencies of the first three tokens of unseeded requests against the target's own
-    distribution (a full recomputation through the sampler's stages): a rule that kept the draft's tokens too often
-    would carry the draft's distribution into the output."""
-    llm = _forced(tiny_llama, k=2, speculative=f"draft:{other_llama}", max_num_seqs=256, max_waiting=32768)
+                                                       params: SamplingParams, proposer: str) -> None:
+    """Another model (other weights), or the model itself through its head's likeliest tokens, draws each proposal
+    from its own distribution after the same penalties and filters; the target keeps it with probability
+    min(1, p / q) and draws from the residual max(0, p - q) at the first rejection. The joint frequencies of the
+    first three tokens of unseeded requests against the target's own distribution (a full recomputation through the
+    sampler's stages): a rule that kept the draft's tokens too often would carry the draft's distribution into the
+    output. (The head draft filters its N tokens alone, or the whole vocabulary with theirs alone finite where a
+    penalty needs it: both routes.)"""
+    speculative = f"draft:{other_llama}" if proposer == "draft" else proposer
+    llm = _forced(tiny_llama, k=2, speculative=speculative, max_num_seqs=256, max_waiting=32768)
     engine = llm.engine
     prompt = llm.encode("the cat")
 
@@ -311,7 +386,7 @@ def test_sampled_drafts_follow_the_target_distribution(tiny_llama: Path, other_l
         logits = Sampler.processed(engine.runner.score(ids)[-1:], [row])
         return kept_weights(logits, [params.temperature], [params.top_k], [params.top_p], [params.min_p])[0]
 
-    num = 20000
+    num = 20000 if proposer == "draft" else 10000
     outs = llm.generate([prompt] * num, params, use_tqdm=False)
     proposed = sum(o.timings["spec_proposed_tokens"] for o in outs)
     accepted = sum(o.timings["spec_accepted_tokens"] for o in outs)
@@ -436,6 +511,8 @@ def test_adaptive_engine_speculates_when_it_pays(tiny_llama: Path) -> None:
     (dict(speculative="draft:"), "speculative='draft:'"),
     (dict(speculative="self:0"), "speculative='self:0'"),
     (dict(speculative="self:x"), "speculative='self:x'"),
+    (dict(speculative="head:0"), "speculative='head:0'"),
+    (dict(speculative="head:"), "speculative='head:'"),
 ])
 def test_bad_settings_name_the_field(options: dict, named: str) -> None:
     with pytest.raises(NextokenError, match=named.replace("(", r"\(")):
