@@ -22,6 +22,7 @@ from nextoken.engine.request import Request
 from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.engine.spec_policy import PROBE_SHARE, KPolicy, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
+from nextoken.ops.calibration import calibration_ids
 from nextoken.ops.sampling import kept_weights
 from tests.tiny import write_tiny_model
 
@@ -290,6 +291,19 @@ def test_head_draft_under_preemption_and_chunking(tiny_llama: Path) -> None:
     params = SamplingParams(temperature=0.8, seed=9, max_tokens=40, ignore_eos=True)
     assert _same_outputs(_llm(tiny_llama, **options), spec, params, prompts) > 0
     assert spec.engine.scheduler.num_preemptions > 0
+
+
+def test_head_draft_keeps_the_tokens_of_most_predicted_mass(tiny_llama: Path) -> None:
+    """The draft's N tokens: the end tokens, then those of the largest mean probability over the model's own
+    predictions at every position of the calibration conversation."""
+    llm = _llm(tiny_llama, speculative="head:30")
+    engine = llm.engine
+    mass = torch.softmax(engine.runner.score(calibration_ids(engine.inputs)), dim=-1).mean(dim=0)
+    chosen = set(engine.speculator.draft.vocab.tolist())  # type: ignore[union-attr]
+    eog = set(llm.model_config.eog_ids)
+    assert eog <= chosen and len(chosen) == 30
+    others = [t for t in range(len(mass)) if t not in chosen]
+    assert min(float(mass[t]) for t in chosen - eog) >= max(float(mass[t]) for t in others)
 
 
 def test_head_draft_needs_fewer_tokens_than_the_vocabulary(tiny_llama: Path) -> None:
