@@ -12,8 +12,8 @@ rounds): its norms, rotary embedding and gated activations run on warm rows in o
 
 Small batches are bound by the bytes of the weights, and their products run on the block kernels. From
 `gemm_rows` rows on (quant_linear.native_max_rows) they are bound by compute, where a GEMM over the blocks is
-faster (int16 with AVX-512 VNNI, else fp32 over panels dequantized as it goes; over a projection's packed panels
-where it was asked to keep them); the step stays one native call either way.
+faster (int16 with AVX-512 VNNI, else fp32 over panels dequantized as it goes); the step stays one native call
+either way.
 
 It is only a faster route through the same model: the modules stay the definition (GPUs use them, and so does a
 tracer that re-runs a fused step to show its attention), and tests hold the two to the same outputs. It applies when
@@ -48,7 +48,6 @@ def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
                          None if p.m is None else p.m.data_ptr()) for p in projection.parts]
     fixed = projection.fixed_int8 and projection.outliers is not None
     return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts),
-                         None if projection.panels is None else projection.panels.data_ptr(),
                          int(projection.activations == "int8"),
                          projection.outliers.data_ptr() if fixed else None,
                          projection.outliers.numel() if fixed else -1)

@@ -11,8 +11,8 @@ Q4_K_M files keep some V and down projections in 6 bits.
 The products run in nextoken's own kernels (`ops/native`), which quantize activations on the fly to two levels of
 int16 codes per 32 values (the codes, then the codes of what they leave): results match an fp32 matmul over the
 file's weights to fp32 rounding. Batches of more than `NATIVE_MAX_ROWS`
-rows are bound by compute instead, where fp32 multiply-adds over the dequantized weight win: the native fp32 GEMM,
-over the weight packed in its panels (`panels`, held instead of a dense copy; `weight` unpacks it). Where the native
+rows are bound by compute instead, where a GEMM over the blocks wins: int16 codes with AVX-512 VNNI, else fp32
+multiply-adds over panels each thread dequantizes from the blocks as it goes (no fp32 copy is kept). Where the native
 kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16 activations; 4-bit codes with a
 bf16 scale and zero per 32) and others on the dense weight, with torch's GEMM for large batches.
 """
@@ -152,21 +152,20 @@ def block_only_types(quant: str | None) -> tuple[GGMLQuantizationType, ...]:
 class BlockLinear(nn.Module):
     """A projection held as block-quantized parts (stacked output rows, each in its own format). Up to `max_rows`
     rows take the block kernels; larger batches, with the native kernels, the GEMM over the blocks (int16 with
-    AVX-512 VNNI, else fp32 over panels each thread dequantizes as it goes), or an fp32 GEMM over `panels` (the
-    weight dequantized and packed in 16-column panels once) where asked to keep them (`panels=True`), and without
-    the native kernels torch's GEMM over `dense`. The GEMM over the blocks is as fast as the packed panels' on AVX2
-    (2 Zen 3 cores, the time of a 512-token prefill 0.999x and 1.05x in two runs, decode of 8 / 16 / 64 sequences
-    1.02-1.10x / 1.01-1.10x / 1.00-1.03x the tokens a second for SmolLM2; Gemma 3, one run, 1.01x and 0.93x / 0.97x /
-    1.00x), and keeps no fp32 copy (`LLM()`'s peak memory on AVX2 without the
-    panels: SmolLM2 977 -> 574 MB, Gemma 3 1,647 -> 1,263 MB), so by default none are kept on any CPU.
+    AVX-512 VNNI, else fp32 over panels each thread dequantizes as it goes), and without the native kernels torch's
+    GEMM over `dense`. No fp32 copy of the weight is kept for the GEMM: on AVX2 the GEMM over the blocks was as fast
+    as one over panels packed at load (2 Zen 3 cores, the time of a 512-token prefill 0.999x and 1.05x in two runs,
+    decode of 8 / 16 / 64 sequences 1.02-1.10x / 1.01-1.10x / 1.00-1.03x the tokens a second for SmolLM2; Gemma 3, one
+    run, 1.01x and 0.93x / 0.97x / 1.00x), and `LLM()`'s peak memory fell without them (SmolLM2 977 -> 574 MB, Gemma
+    3 1,647 -> 1,263 MB). Every product meets the blocks' values, so a prompt's prefill and its decode steps meet the
+    same weight.
 
     `dense` is the fp32 weight [out, in], needed only without the native kernels (torch's GEMM); None where the
-    parts hold the weight exactly (the file's own blocks, see EXACT_PANEL_TYPES; `shape` gives its size). Panels are
-    always dequantized from the blocks, so a prompt's prefill and its decode steps meet the same weight; `weight`
+    parts hold the weight exactly (the file's own blocks, see EXACT_PANEL_TYPES; `shape` gives its size); `weight`
     dequantizes the blocks when asked."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
-                 shape: tuple[int, int] | None = None, panels: bool = False) -> None:
+                 shape: tuple[int, int] | None = None) -> None:
         super().__init__()
         if dense is None and shape is None:
             raise ValueError("a projection without its fp32 weight needs its shape")
@@ -174,20 +173,17 @@ class BlockLinear(nn.Module):
         if sum(p.rows for p in parts) != self.out_features:
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
-        # How activations meet the blocks in the GEMM over them (products of more than max_rows rows, no panels):
+        # How activations meet the blocks in the GEMM over them (products of more than max_rows rows):
         # "int16" codes per 32 values, or "int8" ones (faster, less precise; see nt_block_gemm8).
         self.activations = "int16"
         # Under "int8", the outlier columns fixed by a calibration pass (int32, ascending; ops/calibration.py): every
         # product then takes the int8 GEMM whatever its rows, so that a row's numbers do not depend on its batch.
         self.outliers: torch.Tensor | None = None
         self.lib = native.library()
-        packed = None
         if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
         if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = native_max_rows(self.lib)
-            if panels:
-                packed = self._blocks_panels()  # the blocks' values: every batch size meets the same weight
             dense = None
         elif all(p.kind in NIBBLE_KINDS for p in self.parts):  # torch's int4 kernel (bf16 activations)
             self.lib = None
@@ -201,26 +197,15 @@ class BlockLinear(nn.Module):
         else:
             self.lib = None
             self.max_rows = 0  # no kernel for these formats here: the dense weight
-        self.register_buffer("panels", packed, persistent=False)
         self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
-
-    def _blocks_panels(self) -> torch.Tensor:
-        return native.pack_blocks(self.lib, [(p.kind, p.qs, p.d, p.m) for p in self.parts], self.out_features,
-                                  self.in_features)
-
-    def pack_panels(self) -> None:
-        """Keep the fp32 GEMM's panels (dequantized from the blocks) where there are none: that GEMM then serves
-        batches past the block kernels."""
-        if self.lib is not None and self.panels is None:
-            self.panels = self._blocks_panels()
 
     @property
     def weight(self) -> torch.Tensor:
-        """The fp32 weight [out, in]: unpacked from the panels, or dequantized from the blocks where there are
-        none and no fp32 copy."""
+        """The fp32 weight [out, in]: the fp32 copy, or dequantized from the blocks (through the GEMM's panels)."""
         if self.dense is not None:
             return self.dense
-        panels = self.panels if self.panels is not None else self._blocks_panels()
+        panels = native.pack_blocks(self.lib, [(p.kind, p.qs, p.d, p.m) for p in self.parts], self.out_features,
+                                    self.in_features)
         return native.unpack(panels, self.out_features, self.in_features)
 
     @property
@@ -246,9 +231,6 @@ class BlockLinear(nn.Module):
             return out.to(x.dtype)
         x = x.contiguous()
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if gemm and self.panels is not None:
-            native.sgemm(self.lib, x, self.panels, self.out_features, out)
-            return out
         at = 0
         for p in self.parts:
             native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows], gemm=gemm,

@@ -154,9 +154,9 @@ def _linear(weight: torch.Tensor) -> Linear:
 def _rebuilt(proj: BlockLinear, parts: list[BlockWeight], cut: Callable[[torch.Tensor], torch.Tensor],
              shape: tuple[int, int]) -> BlockLinear:
     """A BlockLinear of `parts` that runs as `proj` does: the fp32 weight beside the blocks (its `cut`) where `proj`
-    keeps one, GEMM panels (of the parts) where it keeps them, else the blocks alone."""
+    keeps one, else the blocks alone."""
     dense = cut(proj.weight).contiguous() if proj.dense is not None else None
-    out = BlockLinear(parts, dense, shape, panels=proj.panels is not None)
+    out = BlockLinear(parts, dense, shape)
     out.activations = proj.activations
     return out
 

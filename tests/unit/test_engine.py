@@ -22,7 +22,6 @@ from nextoken.errors import ModelLoadError, NextokenError, PromptTooLong
 from nextoken.loader.gguf import GGUFFile
 from nextoken.loader.hf import HFDirectory
 from nextoken.loader.registry import open_model
-from nextoken.ops.fused import FusedDecoder
 from nextoken.ops import native
 from nextoken.ops.quant_linear import BlockLinear
 from tests.conftest import needs_native
@@ -365,22 +364,17 @@ def test_loading_pauses_the_garbage_collector_and_restores_it(tiny_llama: Path, 
 @needs_native
 @pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1])
 def test_exact_file_blocks_load_without_an_fp32_copy(qtype: GGMLQuantizationType, tmp_path: Path) -> None:
-    """Projections stored in blocks that are exactly their weights load without being dequantized (their GEMM
-    panels, asked for here, come from the blocks): the prefill logits equal those of the
-    same file loaded in fp32."""
+    """Projections stored in blocks that are exactly their weights load without being dequantized (no fp32 copy, no
+    GEMM panels): the prefill logits, past the block kernels on the GEMM over the blocks, equal those of the same
+    file loaded in fp32."""
     path = write_tiny_model(tmp_path / "blocks.gguf", "llama", projections=qtype)
     blocks = LLM(str(path), device="cpu", weights="int4", lm_head="fp32", kv_cache_bytes=8 << 20)  # one head for both
     dense = LLM(str(path), device="cpu", weights="fp32", kv_cache_bytes=8 << 20)
     projection = blocks.engine.runner.model.layers[0].attn.qkv_proj
     assert isinstance(projection, BlockLinear) and projection.dense is None
-    assert projection.panels is None  # nor GEMM panels, on any CPU
-    model = blocks.engine.runner.model
-    for module in model.modules():
-        if isinstance(module, BlockLinear):
-            module.pack_panels()
-    model.fused = FusedDecoder.build(model)  # its matrices with the panels (a prefill runs fused too)
+    assert not [name for name, _ in projection.named_buffers()]  # nor GEMM panels, on any CPU
     ids = blocks.tokenizer.encode("the cat sat on the mat and the dog sat on the log, then the bird sat on the hat")
-    assert len(ids) > projection.max_rows  # a prefill past the block kernels: the fp32 GEMM over the panels
+    assert len(ids) > projection.max_rows  # a prefill past the block kernels
     torch.testing.assert_close(blocks.engine.runner.score(ids), dense.engine.runner.score(ids), rtol=1e-4, atol=1e-4)
 
 

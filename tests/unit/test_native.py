@@ -557,11 +557,10 @@ def _assert_same_step(got: torch.Tensor, expected: torch.Tensor, pool: KVPool, t
 def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: str, tiny_llama: Path,
                                           tiny_gemma: Path, monkeypatch: pytest.MonkeyPatch,
                                           request: pytest.FixtureRequest) -> None:
-    """products "gemm": the fused step takes the fp32 GEMM over each projection's panels (packed here where AVX-512
-    VNNI left none), as it does for batches past the block kernels (here from one row on), and so do the
-    modules. The blocks are zeroed then, so a product that took them instead would show (the tiny files are float:
-    their 4-bit blocks are a requantization). "int16": with AVX-512 VNNI and no panels, the int16 GEMM over the
-    blocks, from one row on, in the step and the modules; "int8": the same with int8 activation codes
+    """products "gemm": the fused step takes this CPU's GEMM over each projection's blocks (int16 with AVX-512 VNNI,
+    else fp32 over panels dequantized as it goes), as it does for batches past the block kernels (here from one row
+    on), and so do the modules. "int16": the AVX-512 VNNI build (emulated where the CPU has none), its int16 GEMM
+    over the blocks from one row on, in the step and the modules; "int8": the same with int8 activation codes
     (set_activations), which the fused step's structs carry."""
     if products in ("int16", "int8"):  # the AVX-512 VNNI routes, emulated where the CPU has none
         use_library(monkeypatch, request.getfixturevalue("vnni"))
@@ -578,13 +577,7 @@ def test_fused_decode_matches_the_modules(arch: str, kv_dtype: str, products: st
         for module in net.modules():
             if isinstance(module, BlockLinear):
                 module.max_rows = 0
-                if products in ("int16", "int8"):
-                    assert module.panels is None
-                else:
-                    module.pack_panels()  # by default there are none
-                    for part in module.parts:
-                        part.d.zero_()
-        net.fused = FusedDecoder.build(net)  # its matrices with the panels, if any
+        net.fused = FusedDecoder.build(net)
         net.fused.gemm_rows = 1
     runs = []
     real = FusedDecoder.__call__
@@ -744,27 +737,25 @@ def test_argmax_rows_is_numpys(build: str, lib: ctypes.CDLL, avx2: ctypes.CDLL, 
 
 def test_no_cpu_keeps_gemm_panels(lib: ctypes.CDLL, avx2: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     """A projection keeps its blocks alone, with AVX-512 VNNI and without (where the fp32 GEMM dequantizes its panels
-    as it goes): no fp32 copy even when given its fp32 weight; asked for panels, they are the blocks' values, not
-    that weight's. 4-bit files load without a float copy either way (Q4_K included: its scales are kept in fp32)."""
+    as it goes): no fp32 copy even when given its fp32 weight, and its products are the blocks' values, not that
+    weight's. 4-bit files load without a float copy either way (Q4_K included: its scales are kept in fp32)."""
     gen = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 64, generator=gen)
     parts = [q4_weight(*regroup(weight))]
     for kernels in (lib, avx2):
         monkeypatch.setattr(native, "library", lambda kernels=kernels: kernels)
         layer = BlockLinear(parts, weight)
-        assert layer.panels is None and layer.dense is None
+        assert layer.dense is None and not [name for name, _ in layer.named_buffers()]
         assert GGMLQuantizationType.Q4_K in quant_linear.block_only_types("int4")
         assert GGMLQuantizationType.Q4_K not in quant_linear.block_only_types("int8")
         assert torch.equal(layer.weight, dequantized(parts[0], dtype=torch.float32))
         assert not torch.equal(layer.weight, weight)
-        packed = BlockLinear(parts, weight, panels=True)
-        assert torch.equal(native.unpack(packed.panels, 40, 64), layer.weight)  # the blocks', not the weight given
-        x = torch.randn(layer.max_rows + 5, 64, generator=gen)
         # two levels of int16 activation codes over the blocks, or the fp32 GEMM: either way fp32 rounding
-        reference = F.linear(x, layer.weight)
-        bound = 1e-6 * (x.abs() @ layer.weight.abs().t()) + 1e-6
-        for projection in (layer, packed):
-            assert ((projection(x) - reference).abs() <= bound).all()
+        for rows in (1, layer.max_rows + 5):
+            x = torch.randn(rows, 64, generator=gen)
+            reference = F.linear(x, layer.weight)
+            bound = 1e-6 * (x.abs() @ layer.weight.abs().t()) + 1e-6
+            assert ((layer(x) - reference).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "int8"])

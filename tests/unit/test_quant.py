@@ -108,7 +108,7 @@ def mixed_projection(seed: int = 0, cols: int = 96) -> tuple[BlockLinear, torch.
     exact = torch.cat((rebuild_q4(unpack_nibbles(parts[0].qs), parts[0].d.float(), parts[0].m.float()),
                        rebuild_q8(parts[1].qs, parts[1].d), rebuild_q8(parts[2].qs, parts[2].d)))
     assert (exact - dense).abs().max() < 1e-2  # only fp16 rounding of the scales
-    return BlockLinear(parts, exact, panels=True), exact
+    return BlockLinear(parts, exact), exact
 
 
 @pytest.mark.parametrize("cols", [96, 320])  # 3 or 10 blocks per row: scales one by one, or in vectors and a last one
@@ -139,7 +139,7 @@ def exact_blocks(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int) -
 @pytest.mark.parametrize("quant", ["int4", "int8"])
 def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
     """A fused projection of every type whose blocks hold the weight exactly (int4: Q4_0, Q4_1, Q4_K, Q5_0, Q6_K,
-    Q8_0; int8: the 5-, 6- and 8-bit ones): without its fp32 weight, the panels dequantized from the blocks are
+    Q8_0; int8: the 5-, 6- and 8-bit ones): without its fp32 weight, the GEMM panels dequantized from the blocks are
     bit-identical to those packed from the loader's dequantization, panels shared by two parts included."""
     lib = native.library()
     assert lib is not None
@@ -150,8 +150,9 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
     if quant == "int4":
         assert made[2][0].kind == Q4_F32  # Q4_K: its scales need fp32
     weight = torch.cat([w for _, w in made])
-    layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape), panels=True)
-    assert layer.dense is None and torch.equal(layer.panels, native.pack(lib, weight))
+    layer = BlockLinear([b for b, _ in made], None, tuple(weight.shape))
+    panels = native.pack_blocks(lib, [(p.kind, p.qs, p.d, p.m) for p in layer.parts], weight.shape[0], 256)
+    assert layer.dense is None and torch.equal(panels, native.pack(lib, weight))
     assert torch.equal(layer.weight, weight)
     x = torch.randn(layer.max_rows + 3, 256, generator=torch.Generator().manual_seed(1))
     # Two fp32 GEMMs summing in different orders: apart by rounding, relative to the size of the products' sum.
@@ -162,25 +163,23 @@ def test_exact_blocks_give_the_panels_without_an_fp32_copy(quant: str) -> None:
 
 
 def test_a_projection_keeps_only_its_blocks() -> None:
-    """On every CPU a projection keeps by default neither GEMM panels nor its fp32 weight, even when given one.
-    Batches past the block kernels take the GEMM over the blocks: the int16 one with AVX-512 VNNI, else the fp32 one
-    over panels each thread dequantizes as it goes (the packed panels' bits); `weight` dequantizes the blocks;
-    `pack_panels` brings the GEMM over packed panels back."""
-    layer, exact = mixed_projection()  # with panels
-    bare = BlockLinear(layer.parts, exact)
-    assert bare.panels is None and bare.dense is None
-    assert torch.equal(bare.weight, exact)
+    """On every CPU a projection keeps neither GEMM panels nor its fp32 weight, even when given one. Batches past
+    the block kernels take the GEMM over the blocks: the int16 one with AVX-512 VNNI, else the fp32 one over panels
+    each thread dequantizes as it goes, with the bits of the fp32 GEMM over panels packed from the weight (its own
+    sums); `weight` dequantizes the blocks."""
+    layer, exact = mixed_projection()
+    assert layer.dense is None and not [name for name, _ in layer.named_buffers()]
+    assert torch.equal(layer.weight, exact)
     vnni = bool(native.library().nt_has_vnni512())
-    for rows in (1, bare.max_rows, bare.max_rows + 1, 40):
+    panels = native.pack(layer.lib, exact)
+    for rows in (1, layer.max_rows, layer.max_rows + 1, 40):
         x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
         bound = 3e-5 * (x.abs() @ exact.abs().t()) + 1e-6
-        assert ((bare(x) - F.linear(x, exact)).abs() <= bound).all()
-        # the block kernels either way; past them, with VNNI, int16 codes against the panels' fp32 products
-        assert torch.equal(bare(x), layer(x)) == (rows <= bare.max_rows or not vnni)
-    bare.pack_panels()
-    expected = torch.empty(x.shape[0], exact.shape[0])
-    native.sgemm(bare.lib, x, native.pack(bare.lib, exact), exact.shape[0], expected)  # the GEMM's own sums
-    assert torch.equal(bare.panels, layer.panels) and torch.equal(bare(x), expected)
+        assert ((layer(x) - F.linear(x, exact)).abs() <= bound).all()
+        if rows > layer.max_rows and not vnni:
+            expected = torch.empty(rows, exact.shape[0])
+            native.sgemm(layer.lib, x, panels, exact.shape[0], expected)
+            assert torch.equal(layer(x), expected)
 
 
 def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -191,19 +190,10 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
 
 
 def test_block_linear_takes_a_gemm_for_large_batches() -> None:
-    """More than max_rows rows: the fp32 GEMM over the panels where the projection keeps them (the dense
-    weight's products, the GEMM's own sums: those of panels packed from the dense weight), else the GEMM over the
-    blocks (with AVX-512 VNNI int16 activation codes: within their rounding, like the block kernels; without, fp32
-    over rows dequantized from the blocks)."""
+    """More than max_rows rows: the GEMM over the blocks (with AVX-512 VNNI int16 activation codes: within their
+    rounding, like the block kernels; without, fp32 over rows dequantized from the blocks)."""
     layer, dense = mixed_projection()
-    xs = [torch.randn(rows, 96) for rows in (layer.max_rows + 1, 96)]
-    for x in xs:
-        expected = torch.empty(x.shape[0], dense.shape[0])
-        native.sgemm(layer.lib, x, native.pack(layer.lib, dense), dense.shape[0], expected)
-        assert torch.equal(layer(x), expected)
-        torch.testing.assert_close(expected, F.linear(x, dense))
-    layer.panels = None
-    for x in xs:
+    for x in [torch.randn(rows, 96) for rows in (layer.max_rows + 1, 96)]:
         bound = 3e-5 * (x.abs() @ dense.abs().t()) + 1e-6
         assert ((layer(x) - F.linear(x, dense)).abs() <= bound).all()
 

@@ -12,16 +12,12 @@ static double now(void) {
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) a GEMM, the one over the blocks
- * (nt_block_gemm: int16 with AVX-512 VNNI, else fp32 over panels dequantized as it goes), or the fp32 one over the
- * matrix's packed panels where it was given them; fewer rows take the block kernels (bound by the weight's bytes). */
+/* out [M, n] = x [M, k] @ W^T: from `gemm_rows` rows on (bound by compute there) the GEMM over the blocks
+ * (nt_block_gemm: int16 with AVX-512 VNNI, else fp32 over panels dequantized as it goes); fewer rows take the block
+ * kernels (bound by the weight's bytes). */
 static int matmul(const nt_matrix *w, const float *x, int64_t M, float *out, int threads, int64_t gemm_rows) {
     const int fixed = w->int8_activations && w->num_outliers >= 0; /* nt_matrix: every product on nt_block_gemm8 */
     const int gemm = M >= gemm_rows || fixed;
-    if (gemm && w->panels) {
-        nt_sgemm(x, M, w->parts[0].k, w->parts[0].k, w->panels, w->n, out, w->n, threads);
-        return 0;
-    }
     int status = 0;
     for (int64_t i = 0, at = 0; i < w->num_parts; at += w->parts[i].n, i++) {
         const nt_part *p = &w->parts[i];

@@ -123,10 +123,9 @@ def decode_layers(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, sl
     """Every decoder block over the new tokens x [M, hidden], updated in place (nt_decode_layers): one per sequence,
     or with `query_start` [sequences + 1] (int64) each sequence's chunk of them, attended through the prefill kernel
     where longer than one (AVX-512 only); seq_lens and tables are then per sequence. scratch: fp32 of at least
-    `decode_scratch` elements; products of `gemm_rows` rows or more take a GEMM: the fp32 one over a projection's
-    panels where its Matrix has them, else the one over its blocks (int16 with AVX-512 VNNI); final_norm: (weight,
-    eps) of an RMSNorm applied to x last; profile: a `profile_buffer` whose per-layer times and BLOCKS reading the
-    call writes (None: nothing is timed)."""
+    `decode_scratch` elements; products of `gemm_rows` rows or more take the GEMM over the blocks (int16 with
+    AVX-512 VNNI, else fp32); final_norm: (weight, eps) of an RMSNorm applied to x last; profile: a
+    `profile_buffer` whose per-layer times and BLOCKS reading the call writes (None: nothing is timed)."""
     positions, slots, seq_lens, tables = (_indices(t) for t in (positions, slots, seq_lens, tables))
     if scratch.dtype != torch.float32 or scratch.numel() < decode_scratch(lib, layers, x.shape[0]):
         raise ValueError("decode_layers: scratch is not fp32 or too small")

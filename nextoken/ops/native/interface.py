@@ -80,7 +80,7 @@ OUTLIER_MAX = 16  # NT_OUTLIER_MAX: int8 activations' outlier columns per produc
 class Matrix(ctypes.Structure):
     """A projection as stacked parts (nt_matrix)."""
 
-    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS), ("panels", _ptr),
+    _fields_ = [("num_parts", _i64), ("n", _i64), ("parts", Part * MAX_PARTS),
                 ("int8_activations", _i64), ("outliers", _ptr), ("num_outliers", _i64)]
 
 

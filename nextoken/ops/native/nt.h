@@ -78,12 +78,10 @@ typedef struct {
 #define NT_MAX_PARTS 4
 
 /* A projection as up to NT_MAX_PARTS stacked parts (rows of the output), each in its own format: a fused QKV
- * projection whose V comes from 6-bit blocks while Q and K come from 4-bit ones. `panels`: the whole fp32 weight
- * packed by nt_sgemm_pack, for products of many rows (null, as projections load: the GEMM over the blocks). */
+ * projection whose V comes from 6-bit blocks while Q and K come from 4-bit ones. */
 typedef struct {
     int64_t num_parts, n;
     nt_part parts[NT_MAX_PARTS];
-    const float *panels;
     int64_t int8_activations; /* products of many rows over the blocks by nt_block_gemm8 */
     /* int8 activations' outlier columns, fixed (ascending, at most NT_OUTLIER_MAX): every product then takes
      * nt_block_gemm8 with them, whatever its rows, so that a row's numbers do not depend on its batch. num_outliers

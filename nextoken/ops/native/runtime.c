@@ -79,7 +79,6 @@ const nt_layout_entry *nt_layout(void) {
         {"nt_matrix.num_parts", offsetof(nt_matrix, num_parts)},
         {"nt_matrix.n", offsetof(nt_matrix, n)},
         {"nt_matrix.parts", offsetof(nt_matrix, parts)},
-        {"nt_matrix.panels", offsetof(nt_matrix, panels)},
         {"nt_matrix.int8_activations", offsetof(nt_matrix, int8_activations)},
         {"nt_matrix.outliers", offsetof(nt_matrix, outliers)},
         {"nt_matrix.num_outliers", offsetof(nt_matrix, num_outliers)},
