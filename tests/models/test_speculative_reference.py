@@ -14,18 +14,18 @@ from nextoken import LLM
 from nextoken.sampling_params import SamplingParams
 from tests.conftest import REAL_MODELS, TEST_KV_BYTES, load_reference, needs_native
 
-# (model, dtype, proposer): the defaults need the native kernels, and so does an int4 draft
-ROUTES = [pytest.param("smollm2", "float32", "ngram"),
-          pytest.param("smollm2", "auto", "ngram", marks=needs_native),
-          pytest.param("gemma3", "auto", "ngram", marks=needs_native),
-          pytest.param("smollm2", "float32", "draft:smollm2-135m-instruct", marks=needs_native),
-          pytest.param("smollm2", "auto", "self:10", marks=needs_native),
-          pytest.param("smollm2", "auto", "head:8192", marks=needs_native),
-          pytest.param("gemma3", "auto", "head:16384", marks=needs_native)]
+# (model, dtype, proposer, k): the defaults need the native kernels, and so does an int4 draft. k = 5 and 15: the
+# verifying passes' few-row kernels and a GEMM; early exit, whose proposals are seldom accepted (every step drafts k
+# tokens and verifies them all), at 5 only.
+ROUTES = [pytest.param("smollm2", "float32", "ngram", k) for k in (5, 15)] + [
+    pytest.param(model, "auto", "ngram", k, marks=needs_native) for model in ("smollm2", "gemma3") for k in (5, 15)] + [
+    pytest.param("smollm2", "float32", "draft:smollm2-135m-instruct", k, marks=needs_native) for k in (5, 15)] + [
+    pytest.param("smollm2", "auto", "self:10", 5, marks=needs_native)] + [
+    pytest.param(model, "auto", f"head:{n}", k, marks=needs_native)
+    for model, n in (("smollm2", 8192), ("gemma3", 16384)) for k in (5, 15)]
 
 
-@pytest.mark.parametrize(("model", "dtype", "speculative"), ROUTES)
-@pytest.mark.parametrize("k", [5, 15])
+@pytest.mark.parametrize(("model", "dtype", "speculative", "k"), ROUTES)
 def test_greedy_with_speculation_matches_reference(model: str, dtype: str, speculative: str, k: int) -> None:
     llm = LLM(REAL_MODELS[model], dtype=dtype, kv_dtype="fp32", device="cpu", kv_cache_bytes=TEST_KV_BYTES,
               speculative=speculative, num_speculative_tokens=k)
