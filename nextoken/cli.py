@@ -1,5 +1,6 @@
 """The command line: run | chat | serve | trace | perplexity | convert | models | tokenize | detokenize (their shared
-options and answer printing: cli_support.py).
+options and answer printing: cli_support.py; check, diff and replay: cli_compare.py; the commands that do not
+generate: cli_tools.py).
 
 Every user error (a NextokenError) prints one line on stderr and exits with code 2; nothing else is caught, so a
 traceback always means a bug in nextoken.
@@ -10,98 +11,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
 from nextoken.cli_support import (AnswerPrinter, DefaultsHelp, add_engine, add_model, add_parallel, add_sampling,
-                                  add_speculative, engine_options, load_text_side, sampling_params)
+                                  add_speculative, engine_options, load_text_side, read_text, sampling_params)
+from nextoken.cli_compare import cmd_check, cmd_diff, cmd_replay
+from nextoken.cli_tools import cmd_convert, cmd_detokenize, cmd_models, cmd_perplexity, cmd_tokenize
 from nextoken.errors import NextokenError
 from nextoken.server.replica_options import add_replicas, replica_options
 
 EXIT_USAGE = 2
 
 
-def _read_text(arg: str | None, what: str) -> str:
-    if arg is not None:
-        return arg
-    if sys.stdin is None or sys.stdin.isatty():
-        raise NextokenError(f"no {what} given: pass it as an argument or on standard input")
-    return sys.stdin.read()
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-    from nextoken.loader.gguf import read_gguf
-    from nextoken.loader.registry import REGISTRY, is_installed, resolve_model
-    from nextoken.models.config import ModelConfig
-
-    rows = []
-    for name, entry in REGISTRY.items():
-        row: dict[str, Any] = {"name": name, "installed": is_installed(entry), "file": entry.filename,
-                               "size_bytes": None, "architecture": None, "quantization": None, "parameters": None,
-                               "install": entry.install}
-        if row["installed"]:
-            path = resolve_model(name)
-            config = ModelConfig.from_gguf(read_gguf(path))
-            row.update(file=str(path), size_bytes=path.stat().st_size, architecture=config.architecture,
-                       quantization=config.quantization, parameters=config.num_parameters)
-        rows.append(row)
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="nextoken models")
-    for col in ("name", "installed", "architecture", "quantization", "parameters", "size", "file"):
-        table.add_column(col, no_wrap=col != "file", overflow="fold")
-    for r in rows:
-        table.add_row(r["name"], "yes" if r["installed"] else f"no: {r['install']}", r["architecture"] or "-",
-                      r["quantization"] or "-", f"{r['parameters'] / 1e6:.1f} M" if r["parameters"] else "-",
-                      f"{r['size_bytes'] / 2**20:.1f} MiB" if r["size_bytes"] else "-", r["file"])
-    console = Console()
-    if not console.is_terminal:  # piped: no terminal width to fit, so never cut names short
-        console = Console(width=200)
-    console.print(table)
-    return 0
-
-
-def cmd_tokenize(args: argparse.Namespace) -> int:
-    from nextoken.engine.inputs import Chat
-
-    inputs = load_text_side(args.model)
-    tok = inputs.tokenizer
-    text = _read_text(args.text, "text")
-    # Without --chat the text is the user's own: its special-token text is control tokens.
-    rendered, ids = inputs.prompt_ids(Chat.turn(text) if args.chat else text, special_tokens=True)
-    text = rendered if rendered is not None else text
-    pieces = [tok.display_piece(i) for i in ids]
-    if args.json:
-        print(json.dumps({"model": args.model, "ids": ids, "pieces": pieces}, ensure_ascii=False))
-        return 0
-    for i, piece in zip(ids, pieces):
-        print(f"{i:>8}  {piece!r}")
-    print(f"{len(ids)} tokens, {len(text)} characters ({len(text) / max(len(ids), 1):.2f} characters per token)")
-    return 0
-
-
-def cmd_detokenize(args: argparse.Namespace) -> int:
-    tok = load_text_side(args.model).tokenizer
-    ids = []
-    for raw in args.ids:
-        try:
-            ids.append(int(raw))
-        except ValueError:
-            raise NextokenError(f"token id {raw!r} is not an integer") from None
-    print(tok.decode(ids))
-    return 0
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     from nextoken.engine.inputs import Chat
     from nextoken.llm import LLM, request_timings
 
-    prompt = _read_text(args.prompt, "prompt")
+    prompt = read_text(args.prompt, "prompt")
     sampling_params(args, None, prompt_logprobs=args.prompt_logprobs)
     llm = LLM(args.model, **engine_options(args))
     params = sampling_params(args, llm.inputs, prompt_logprobs=args.prompt_logprobs)
@@ -158,87 +85,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_check(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from nextoken.check import DEFAULT_FORMATS, DEFAULT_PROMPTS, format_kl, run_check
-
-    prompts = list(DEFAULT_PROMPTS)
-    if args.prompts is not None:
-        try:
-            text = sys.stdin.read() if args.prompts == "-" else Path(args.prompts).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise NextokenError(f"--prompts {args.prompts}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise NextokenError(f"--prompts {args.prompts}: not UTF-8 text") from None
-        prompts = [line.strip() for line in text.splitlines() if line.strip()]
-        if not prompts:
-            raise NextokenError(f"--prompts {args.prompts}: no prompts in it (one per line)")
-    formats = args.formats or list(DEFAULT_FORMATS)
-    console = Console(stderr=True)
-    sequences, reports = run_check(args.model, prompts, formats, continuation=args.continuation,
-                                   against=args.against, engine_options={"threads": args.threads},
-                                   progress=lambda line: console.print(f"[dim]{line}[/dim]"))
-    if args.json:
-        print(json.dumps({"model": args.model, "prompts": prompts, "positions": sum(len(s) for s in sequences),
-                          "formats": [{"format": r.name, "resolved": r.formats, "top1_agreement": r.top1,
-                                       "mean_kl": r.mean_kl, "worst_kl": r.worst_kl,
-                                       "worst_at": None if r.worst_at is None else
-                                       {"prompt": r.worst_at[0], "position": r.worst_at[1], "token_id": r.worst_at[2]}}
-                                      for r in reports]}, ensure_ascii=False))
-        return 0
-    from nextoken.cli_support import load_text_side
-    tok = load_text_side(args.model).tokenizer
-    table = Table(title=f"{args.model}: each format against nextoken's fp32 route, teacher-forced over "
-                        f"{len(prompts)} prompts and {args.continuation} generated tokens each "
-                        f"({sum(len(s) for s in sequences):,} positions)", title_justify="left")
-    for col in ("format", "runs as", "top-1 agreement", "mean KL", "worst KL", "worst at"):
-        table.add_column(col, justify="right" if col in ("top-1 agreement", "mean KL", "worst KL") else "left")
-    for r in reports:
-        where = "-" if r.worst_at is None else \
-            f"prompt {r.worst_at[0]}, position {r.worst_at[1]} ({tok.display_piece(r.worst_at[2])!r})"
-        table.add_row(r.name, ", ".join(f"{k} {v}" for k, v in r.formats.items()), f"{r.top1:.2%}",
-                      format_kl(r.mean_kl), format_kl(r.worst_kl), where)
-    Console(width=max(Console().width, 140)).print(table)
-    print("KL: KL(fp32 || format) in nats over the whole vocabulary, after each position; top-1: the same most "
-          "likely next token")
-    if args.html is not None:
-        from nextoken.trace.pages import check_page
-        print(f"wrote {check_page(Path(args.html), args.model, prompts, reports, tok.display_piece)}")
-    return 0
-
-
-def cmd_diff(args: argparse.Namespace) -> int:
-    from nextoken.diff import describe, diff
-
-    overrides = {k: v for k, v in (("weights", args.weights), ("kv_dtype", args.kv_dtype), ("lm_head", args.lm_head),
-                                   ("activations", args.activations)) if v is not None}
-    report, run_a = diff(args.a, args.b, model=args.model, overrides=overrides)
-    lines = describe(report, run_a.tokenizer.display_piece)
-    for line in lines:
-        print(line)
-    if args.html is not None:
-        from nextoken.trace.pages import diff_page
-        print(f"wrote {diff_page(Path(args.html), report, run_a.tokenizer.display_piece, lines)}")
-    return 0 if report.first_divergence is None else 1
-
-
-def cmd_replay(args: argparse.Namespace) -> int:
-    from nextoken.engine.record import engine_settings, read_bundle
-    from nextoken.llm import LLM
-
-    bundle = read_bundle(args.bundle)
-    model = args.model or bundle.data["model"]["path"]
-    llm = LLM(model, **engine_settings(bundle))
-    result = llm.replay(args.bundle)
-    print(result.message)
-    if args.html is not None:
-        from nextoken.trace.pages import replay_page
-        print(f"wrote {replay_page(Path(args.html), result, llm.tokenizer.display_piece)}")
-    return 0 if result.identical else 1
-
-
 def cmd_chat(args: argparse.Namespace) -> int:
     from nextoken.engine.inputs import Chat
     from nextoken.llm import LLM
@@ -267,63 +113,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": show.content})
 
 
-def cmd_perplexity(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from nextoken.llm import LLM
-
-    if args.file == "-":
-        text = _read_text(None, "text")
-    else:
-        try:
-            text = Path(args.file).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise NextokenError(f"cannot read {args.file}: {exc.strerror if isinstance(exc, OSError) else exc}") \
-                from None
-    llm = LLM(args.model, **engine_options(args))
-    bar: Any = None
-    if not args.json and sys.stderr.isatty():
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        bar = Progress(TextColumn("perplexity {task.fields[ppl]}"), BarColumn(), MofNCompleteColumn(),
-                       TextColumn("windows"), TimeElapsedColumn(), transient=True)
-        bar.start()
-        task = bar.add_task("score", total=None, ppl="-")
-
-    def progress(result: Any, done: int, total: int) -> None:
-        if bar is not None:
-            bar.update(task, total=total, completed=done, ppl=f"{result.value:.4f}")
-
-    try:
-        result = llm.perplexity(text, context=args.context, stride=args.stride, progress=progress)
-    finally:
-        if bar is not None:
-            bar.stop()
-    if args.json:
-        print(json.dumps({"model": args.model, "perplexity": result.value, "tokens": result.tokens,
-                          "scored": result.scored, "nll": result.nll, "windows": result.windows}))
-    else:
-        print(f"perplexity {result.value:.4f} over {result.scored} tokens ({result.windows} windows; mean "
-              f"negative log-likelihood {result.nll / max(result.scored, 1):.4f} nats)")
-    return 0
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from nextoken.loader.convert import convert
-
-    result = convert(args.directory, args.out, args.type)
-    types = ", ".join(f"{n} {t}" for t, n in sorted(result.types.items()))
-    print(f"wrote {result.path}: {result.architecture}, {result.tensors} tensors ({types}), "
-          f"{result.bytes / 2**20:,.1f} MiB")
-    return 0
-
-
 def cmd_trace(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from nextoken.trace.command import TraceOptions, trace
 
-    prompt = _read_text(args.prompt, "prompt")
+    prompt = read_text(args.prompt, "prompt")
     options = TraceOptions(model=args.model, **engine_options(args), raw=args.raw, system=args.system,
                            top_k=args.top, html=Path(args.html) if args.html else None,
                            compare=tuple(args.compare or ()), branch=tuple(args.branch or ()),

@@ -1,6 +1,6 @@
 """What the commands share: the model and engine options, the sampling controls and the request's SamplingParams made
-from them (checked against the model's vocabulary through its input processor), and how run and chat print an
-answer."""
+from them (checked against the model's vocabulary through its input processor), reading text from an argument or
+standard input, and how run and chat print an answer."""
 
 from __future__ import annotations
 
@@ -190,6 +190,17 @@ def sampling_params(args: argparse.Namespace, inputs: Any, **extra: Any) -> Any:
                      if getattr(args, n) not in (None, False)), "structured_outputs")
         inputs.check_processor_ids(params, flag)
     return params
+
+
+def read_text(arg: str | None, what: str) -> str:
+    """The command's text: its argument, else standard input where that is not a terminal."""
+    if arg is not None:
+        return arg
+    if sys.stdin is None or sys.stdin.isatty():
+        from nextoken.errors import NextokenError
+
+        raise NextokenError(f"no {what} given: pass it as an argument or on standard input")
+    return sys.stdin.read()
 
 
 def load_text_side(model: str) -> Any:
