@@ -113,23 +113,23 @@ class EngineConfig:
         spec = self.speculative
         return spec[len("draft:"):].strip() or None if spec is not None and spec.startswith("draft:") else None
 
+    def _speculative_count(self, prefix: str) -> int | None:
+        """The positive whole number after `prefix` in `speculative` ("self:" or "head:"), else None."""
+        spec = self.speculative
+        if not isinstance(spec, str) or not spec.startswith(prefix):
+            return None
+        count = spec[len(prefix):]
+        return int(count) if count.isdigit() and int(count) > 0 else None
+
     @property
     def self_draft_layers(self) -> int | None:
-        """L of speculative="self:L" (a positive whole number; checked against the model's layers when loaded)."""
-        spec = self.speculative
-        if not isinstance(spec, str) or not spec.startswith("self:"):
-            return None
-        layers = spec[len("self:"):]
-        return int(layers) if layers.isdigit() and int(layers) > 0 else None
+        """L of speculative="self:L" (checked against the model's layers when loaded)."""
+        return self._speculative_count("self:")
 
     @property
     def head_draft_vocab(self) -> int | None:
-        """N of speculative="head:N" (a positive whole number; checked against the vocabulary when loaded)."""
-        spec = self.speculative
-        if not isinstance(spec, str) or not spec.startswith("head:"):
-            return None
-        size = spec[len("head:"):]
-        return int(size) if size.isdigit() and int(size) > 0 else None
+        """N of speculative="head:N" (checked against the vocabulary when loaded)."""
+        return self._speculative_count("head:")
 
     @property
     def max_speculative_tokens(self) -> int:
