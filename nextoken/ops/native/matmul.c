@@ -17,10 +17,17 @@ static inline __m256 scales_at(const void *h, int f32, int64_t g) {
 /* Weight row n's block scales against both levels of one activation row (code rows r and r + 1, split_levels):
  * s0[g] = d_w[g] * d_x[r][g] and s1[g] = d_w[g] * d_x[r + 1][g] (NT_Q8_HALVES: per half block, [2g] and [2g + 1]),
  * each weight scale read and converted once for both. Returns the row's Q4 offset term for the activation row,
- * sum_g m[g] * (s_x[r][g] + s_x[r + 1][g]), in one fixed order (0 for the int8 kinds). Against a pass per level and
+ * sum_g m[g] * (s_x[r][g] + s_x[r + 1][g]) (0 for the int8 kinds): with AVX2 as a vector of partial sums, which the
+ * kernels add to their products' before the one horizontal sum of the output. Against a pass per level and
  * an offset per level (two horizontal sums), SmolLM2's projections at one row took 0.9x the time. */
-static inline float level_scales(int kind, const quantized_rows *x, int64_t r, int64_t groups, const void *wd,
-                                 const void *wm, int64_t n, float *s0, float *s1) {
+#ifdef NT_AVX2
+typedef __m256 offset_sum;
+#else
+typedef float offset_sum;
+#endif
+
+static inline offset_sum level_scales(int kind, const quantized_rows *x, int64_t r, int64_t groups, const void *wd,
+                                      const void *wm, int64_t n, float *s0, float *s1) {
     const float *d0 = x->d + r * groups, *d1 = d0 + groups;
     if (kind == NT_Q8_HALVES) {
         const float *d = (const float *)wd + n * 2 * groups;
@@ -28,7 +35,7 @@ static inline float level_scales(int kind, const quantized_rows *x, int64_t r, i
             s0[2 * g] = d[2 * g] * d0[g], s0[2 * g + 1] = d[2 * g + 1] * d0[g];
             s1[2 * g] = d[2 * g] * d1[g], s1[2 * g + 1] = d[2 * g + 1] * d1[g];
         }
-        return 0.0f;
+        return (offset_sum){0};
     }
     const int f32 = kind == NT_Q4_F32;
     const int64_t bytes = f32 ? 4 : 2;
@@ -52,7 +59,7 @@ static inline float level_scales(int kind, const quantized_rows *x, int64_t r, i
             }
             if (g + 8 >= groups) break;
         }
-        return mh ? hsum_ps(acc) : 0.0f;
+        return acc;
     }
 #endif
     float dot = 0.0f;
@@ -61,7 +68,11 @@ static inline float level_scales(int kind, const quantized_rows *x, int64_t r, i
         s0[g] = hv * d0[g], s1[g] = hv * d1[g];
         if (mh) dot += (f32 ? ((const float *)mh)[g] : half_to_float(((const uint16_t *)mh)[g])) * (x0[g] + x1[g]);
     }
+#ifdef NT_AVX2
+    return _mm256_setr_ps(dot, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f);
+#else
     return dot;
+#endif
 }
 
 /* ------------------------------------------------------ block products */
@@ -165,7 +176,8 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
                                                        int64_t K, const void *qs, const void *wd, const void *wm,
                                                        int64_t n0, int64_t n1, float *out, int64_t ldo) {
     const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES ? 2 : 1;
-    float scale[TILE][2 * MAX_GROUPS], offset[TILE / 2];
+    float scale[TILE][2 * MAX_GROUPS];
+    offset_sum offset[TILE / 2];
     for (int64_t n = n0; n < n1; n++) {
         for (int i = 0; i < T; i += 2)
             offset[i / 2] = level_scales(kind, x, r0 + i, groups, wd, wm, n, scale[i], scale[i + 1]);
@@ -196,7 +208,7 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
         for (int i = 0; i < T; i += 2) { /* the two levels of one activation row */
             const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[i][0], acc[i][1]),
                                              _mm256_add_ps(acc[i + 1][0], acc[i + 1][1]));
-            out[((r0 + i) >> 1) * ldo + n] = hsum_ps(sum) + offset[i / 2];
+            out[((r0 + i) >> 1) * ldo + n] = hsum_ps(_mm256_add_ps(sum, offset[i / 2]));
         }
 #else
         for (int i = 0; i < T; i++) {
@@ -294,7 +306,8 @@ static inline __attribute__((always_inline)) void q4_vnni_rows(const int kind, c
                                                                 int64_t ldo) {
     const int64_t groups = K / QK, whole = groups / 4, row_bytes = K / 2;
     const __mmask64 tail = ((__mmask64)1 << (16 * (groups % 4))) - 1;
-    float scale[2 * VNNI_ROWS][MAX_GROUPS + 4], offset[VNNI_ROWS];
+    float scale[2 * VNNI_ROWS][MAX_GROUPS + 4];
+    offset_sum offset[VNNI_ROWS];
     const uint8_t *a[2 * VNNI_ROWS];
     for (int j = 0; j < 2 * R; j++) {
         memset(scale[j] + groups, 0, 4 * sizeof(float)); /* the last quad's missing blocks */
@@ -318,7 +331,8 @@ static inline __attribute__((always_inline)) void q4_vnni_rows(const int kind, c
                 acc[j] = quad_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j]);
         }
         for (int i = 0; i < R; i++)
-            out[(r0 + i) * ldo + n] = hsum_ps(fold_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]))) + offset[i];
+            out[(r0 + i) * ldo + n] =
+                hsum_ps(_mm256_add_ps(fold_ps(_mm512_add_ps(acc[2 * i], acc[2 * i + 1])), offset[i]));
     }
 }
 
