@@ -34,16 +34,31 @@ from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import Sampler, SamplingRow, argmax
 from nextoken.errors import NextokenError
+from nextoken.ops import calibration
 from nextoken.ops.quant_linear import Int8GroupHead
 
 
+def token_ranking(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
+    """Every token id, by mean probability over the model's predictions at every position of `token_ids` (one pass
+    on a private cache), the largest first (ties: the lower id). Cached on disk by model file, formats and tokens,
+    as the int8 route's outlier columns are (ops/calibration.py): Gemma 3's pass takes about 2 s."""
+    vocab = runner.model_config.vocab_size
+    path = runner.calibration_path("ranking", token_ids, ".npy")
+    order = calibration.load_ranking(path, vocab) if path is not None else None
+    if order is None:
+        mass = torch.softmax(runner.score(token_ids).float(), dim=-1).mean(dim=0).cpu()
+        order = torch.sort(mass, descending=True, stable=True).indices
+        if path is not None and len(order) == vocab:
+            calibration.save_ranking(path, order)
+    return order
+
+
 def likeliest_tokens(runner: ModelRunner, token_ids: list[int], size: int, always: Sequence[int]) -> torch.Tensor:
-    """The `size` token ids (ascending) of the largest mean probability over the model's predictions at every
-    position of `token_ids` (one pass on a private cache), those of `always` included."""
-    logits = runner.score(token_ids)
-    mass = torch.softmax(logits.float(), dim=-1).mean(dim=0).cpu()
-    mass[list(always)] = float("inf")
-    return mass.topk(size).indices.sort().values
+    """The `size` token ids (ascending) first in `token_ranking`, those of `always` included."""
+    order = token_ranking(runner, token_ids)
+    first = torch.tensor(list(dict.fromkeys(always))[:size], dtype=torch.long)
+    rest = order[~torch.isin(order, first)][:size - len(first)]
+    return torch.cat([first, rest]).sort().values
 
 
 def sub_head(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -348,8 +350,7 @@ class ModelRunner:
         lib = native.library()
         if self.activations != "int8" or lib is None or not lib.nt_has_vnni512():
             return
-        formats = f"{self.weights},{self.lm_head},tp{0 if self.tp is None else self.tp.world_size}"
-        path = calibration.cache_path(self.model_path, formats, token_ids) if self.tp is None else None
+        path = self.calibration_path("columns", token_ids)
         columns = calibration.load_columns(path) if path is not None else None
         if columns is not None:
             try:
@@ -368,6 +369,14 @@ class ModelRunner:
         calibration.fix_outliers(self.model, columns)
         if path is not None:
             calibration.save_columns(path, columns)
+
+    def calibration_path(self, what: str, token_ids: Sequence[int], suffix: str = ".json") -> Path | None:
+        """Where a result of a pass over `token_ids` in this model's formats is cached (ops/calibration.py); None
+        under tensor parallelism (the ranks must agree on running the pass)."""
+        if self.tp is not None:
+            return None
+        formats = f"{self.weights},{self.lm_head},{self.activations}"
+        return calibration.cache_path(self.model_path, formats, token_ids, what, suffix)
 
     def score_cache(self, num_tokens: int) -> tuple[KVPool, AttentionMetadata]:
         """A private KV pool for one sequence of `num_tokens` and the metadata of its one pass (`score`)."""

@@ -11,13 +11,15 @@ the median column's largest value; the OUTLIER_MAX largest). Every product of an
 included, then takes the int8 GEMM with them: a sequence's numbers are the same alone and in any batch.
 
 The columns are cached as JSON under `cache_dir()/calibration`, keyed by the model file, its formats and the
-calibration tokens, so a model is calibrated once per machine.
+calibration tokens, so a model is calibrated once per machine; so is the head draft's token ranking (one pass over the
+same conversation, engine/head_draft.py), as an .npy array.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
@@ -25,6 +27,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -149,13 +152,14 @@ def calibration_ids(inputs: ChatInputs) -> list[int]:
         return inputs.encode("\n\n".join(m["content"] for m in CALIBRATION_CHAT))
 
 
-def cache_path(model_path: Path, formats: str, token_ids: Sequence[int]) -> Path:
-    """Where the columns of this model file (by path, size and modification time; a directory's by its files'),
-    formats and calibration tokens are kept."""
+def cache_path(model_path: Path, formats: str, token_ids: Sequence[int], what: str = "columns",
+               suffix: str = ".json") -> Path:
+    """Where `what` (the outlier columns; the head draft's token ranking, engine/head_draft.py) of this model file
+    (by path, size and modification time; a directory's by its files'), formats and calibration tokens is kept."""
     files = sorted(f for f in model_path.iterdir() if f.is_file()) if model_path.is_dir() else [model_path]
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key = json.dumps([VERSION, str(model_path.resolve()), stats, formats, list(token_ids)])
-    return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+    key = json.dumps([VERSION, what, str(model_path.resolve()), stats, formats, list(token_ids)])
+    return cache_dir() / "calibration" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}{suffix}"
 
 
 def load_columns(path: Path) -> dict[str, list[int]] | None:
@@ -172,10 +176,35 @@ def load_columns(path: Path) -> dict[str, list[int]] | None:
 
 def save_columns(path: Path, columns: dict[str, list[int]]) -> None:
     """Keep the columns for the next load; a cache that cannot be written only costs the next load a pass."""
+    _keep(path, json.dumps(columns).encode())
+
+
+def load_ranking(path: Path, vocab_size: int) -> torch.Tensor | None:
+    """A cached token ranking (every id of the vocabulary once, int64), or None where there is none or it is not
+    one."""
+    try:
+        order = np.load(path, allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    if order.shape != (vocab_size,) or order.dtype != np.int64 or not np.array_equal(np.sort(order),
+                                                                                     np.arange(vocab_size)):
+        return None
+    return torch.from_numpy(order)
+
+
+def save_ranking(path: Path, order: torch.Tensor) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, order.numpy().astype(np.int64), allow_pickle=False)
+    _keep(path, buffer.getvalue())
+
+
+def _keep(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all (readers never see half a file); a cache that cannot be written
+    only costs the next load its pass."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(columns))
+        temporary.write_bytes(data)
         temporary.replace(path)
     except OSError as exc:
         logger.info("calibration not cached (%s)", exc)

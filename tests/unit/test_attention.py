@@ -11,7 +11,7 @@ import torch
 
 from nextoken.cache.kv_pool import KVPool, KVShape, dequantize_int8, quantize_int8
 from nextoken.ops import native
-from nextoken.ops.attention import AttentionMetadata, paged_attention
+from nextoken.ops.attention import WINDOW_QUERIES, AttentionMetadata, paged_attention
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 4, 2, 64, 4
 
@@ -96,6 +96,18 @@ def test_paged_attention_matches_reference(kv_dtype: str, window: int | None) ->
     seqs.step([0, 0, 1], gen)  # one sequence alone (scattered blocks)
     seqs.step([1, 0, 0], gen)  # one sequence alone (consecutive blocks: a view of the cache)
     seqs.step([1, 1, 1], gen)  # batched decode past the window, contexts of different lengths
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16"])
+def test_prefill_chunks_longer_than_the_window(kv_dtype: str) -> None:
+    """Chunks many windows long, from the start and after cached context: their queries attend in runs, each over
+    the keys its window reaches (WINDOW_QUERIES a run where the window is shorter), not over the masked context."""
+    assert WINDOW_QUERIES > 6
+    gen = torch.Generator().manual_seed(3)
+    seqs = Sequences([list(range(16)), [30, 22, 17, 29, 21, 25, 26, 18, 16, 28, 19, 27, 24, 31, 20, 23]], kv_dtype, 6)
+    seqs.step([40, 7], gen)  # from position 0: three runs of up to 16 queries, and a chunk of one run
+    seqs.step([23, 33], gen)  # after 40 and 7 cached tokens, runs starting mid-context
+    seqs.step([1, 1], gen)
 
 
 @pytest.mark.parametrize("window", [None, 6])

@@ -19,6 +19,7 @@ from nextoken import LLM, SamplingParams
 from nextoken.config import EngineConfig
 from nextoken.engine.ngram import NgramIndex
 from nextoken.engine.request import Request
+from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import Sampler, SamplingRow
 from nextoken.engine.spec_policy import PROBE_SHARE, KPolicy, SeqSpec, StepCosts, num_accepted
 from nextoken.errors import NextokenError
@@ -304,6 +305,30 @@ def test_head_draft_keeps_the_tokens_of_most_predicted_mass(tiny_llama: Path) ->
     assert eog <= chosen and len(chosen) == 30
     others = [t for t in range(len(mass)) if t not in chosen]
     assert min(float(mass[t]) for t in chosen - eog) >= max(float(mass[t]) for t in others)
+
+
+def test_head_draft_ranking_is_cached(tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ranking pass runs once per model file, formats and conversation: a second load reads the ranking from
+    the cache and runs no pass, for any N; a damaged file is ranked again and rewritten."""
+    monkeypatch.setenv("NEXTOKEN_CACHE_DIR", str(tmp_path))
+
+    def vocab(size: int) -> list[int]:
+        return _llm(tiny_llama, speculative=f"head:{size}").engine.speculator.draft.vocab.tolist()  # type: ignore
+
+    ranked = {size: vocab(size) for size in (30, 12)}
+    cached = list((tmp_path / "calibration").glob("*.npy"))
+    assert len(cached) == 1
+
+    def no_pass(*args: object) -> None:
+        raise AssertionError("ranked again despite the cache")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ModelRunner, "score", no_pass)
+        assert {size: vocab(size) for size in (30, 12)} == ranked
+    cached[0].write_bytes(b"not an array")
+    assert vocab(30) == ranked[30]
+    order = np.load(cached[0])
+    assert sorted(order.tolist()) == list(range(len(order)))
 
 
 def test_head_draft_needs_fewer_tokens_than_the_vocabulary(tiny_llama: Path) -> None:
