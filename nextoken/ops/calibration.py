@@ -193,6 +193,7 @@ def load_ranking(path: Path, vocab_size: int) -> torch.Tensor | None:
 
 
 def save_ranking(path: Path, order: torch.Tensor) -> None:
+    """Keep a token ranking for the next load, as an .npy array."""
     buffer = io.BytesIO()
     np.save(buffer, order.numpy().astype(np.int64), allow_pickle=False)
     _keep(path, buffer.getvalue())
