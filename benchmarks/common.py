@@ -148,7 +148,7 @@ FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "av
 
 def machine() -> dict[str, object]:
     """The machine a figure ran on: the CPU's model, its logical CPUs and kernel-deciding features (/proc/cpuinfo),
-    torch's threads, and the native kernels' route (ops/native: AVX-512 VNNI, AVX2 or plain C)."""
+    torch's threads, and the native kernels' route (ops/native: AVX-512 VNNI, with AMX or not, AVX2 or plain C)."""
     import torch
 
     from nextoken.ops import native
@@ -166,6 +166,8 @@ def machine() -> dict[str, object]:
     lib = native.library()
     route = "none" if lib is None else "AVX-512 VNNI" if lib.nt_has_vnni512() else \
         "AVX2" if lib.nt_has_avx2() else "plain C"
+    if lib is not None and lib.nt_amx(-1):
+        route += " + AMX-INT8"
     import os
 
     return {"cpu": model, "cpus": os.cpu_count(), "features": [f for f in FEATURES if f in flags],

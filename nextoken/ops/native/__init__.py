@@ -44,6 +44,7 @@ _SIGNATURES = {
     "nt_layout": (_ptr, []),
     "nt_has_avx2": (_i32, []),
     "nt_has_vnni512": (_i32, []),
+    "nt_amx": (_i32, [_i32]),
     "nt_release_threads": (None, []),
     "nt_decode_attention": (_i32, [_ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, _i32,
                                    _i64, _i64, _i64, _i64, _f32, _i64, _i32]),
@@ -69,6 +70,8 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 _lib = load(build())
+                if os.environ.get("NEXTOKEN_AMX") == "0":  # the VNNI route where the CPU has AMX: the same bits
+                    _lib.nt_amx(0)
             except (RuntimeError, OSError) as exc:
                 logger.warning("native kernels unavailable, using torch's: %s", exc)
     return _lib

@@ -34,14 +34,6 @@
  * times as long, no faster). */
 #define IG_PREFETCH_ROWS 128
 
-/* A thread's two panels of 16 weight rows each: their codes as the GEMM takes them (int16 pairs, or bytes) and their
- * scales. */
-typedef struct {
-    void *codes[2];              /* int16: [K / 2][16 rows][2]; bytes: [K / 4][16 rows][4] */
-    float *scale[2], *offset[2]; /* [scale groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
-    int32_t *bias[2];            /* bytes of int8 codes: [scale groups][16], -128 times each row's codes' sum */
-    float *outlier[2];           /* bytes: the weights of the activations' outlier columns, [outliers][16] */
-} gemm_panels;
 
 /* r[i] lane c -> r[c] lane i, for 16 vectors of 16 int32: pairs within 128-bit lanes, then 4 x 4 blocks of lanes. */
 static inline void transpose16_epi32(__m512i r[16]) {
@@ -365,7 +357,12 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     int64_t nout = 0;
     const int chosen = bytes && fixed_n < 0; /* the outlier columns chosen over these rows, else fixed ones */
     const int64_t team = threads > 1 && M > 1 ? threads : 1;
-    void *rows = malloc((size_t)(M * K * width + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
+#ifdef NT_AMX
+    const int amx = amx_on(); /* the products on AMX tiles (amx.c): byte panels, the codes as planes of bytes */
+#else
+    const int amx = 0;
+#endif
+    void *rows = malloc((size_t)(M * K * (amx && !bytes ? 2 * width : width) + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
                                  groups * (int64_t)sizeof(uint32_t) +
                                  (bytes ? (team + 2) * K * (int64_t)sizeof(float) : 0)) + 64);
     if (!rows) return -1;
@@ -373,6 +370,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     uint32_t *skip = (uint32_t *)(xo + M * OUTLIER_MAX); /* per group, the outlier columns' bits */
     float *colmax = (float *)(skip + groups); /* bytes: [team + 2][K], each thread's maxima, then all's */
     void *codes = bytes ? (void *)(colmax + (team + 2) * K) : (void *)colmax;
+    uint8_t *planes = amx && !bytes ? (uint8_t *)codes + M * K * width : (uint8_t *)codes; /* [lo | hi][M][K] */
     memset(skip, 0, (size_t)groups * sizeof(uint32_t));
     if (bytes && !chosen) {
         nout = fixed_n;
@@ -407,13 +405,22 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < M; r++) {
             if (bytes) {
-                quantize_row8(x + r * ldx, K, (int8_t *)codes + r * K, xd + r * groups, xs + r * groups, !IS_Q4(kind),
-                              nout ? skip : NULL);
+                quantize_row8(x + r * ldx, K, (int8_t *)codes + r * K, xd + r * groups, xs + r * groups,
+                              !IS_Q4(kind) && !amx, nout ? skip : NULL);
                 for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
                 continue;
             }
             int16_t *q = (int16_t *)codes + r * K;
             quantize_row16(x + r * ldx, K, q, xd + r * groups, xs + r * groups, 0);
+            if (amx) { /* code = 256 hi + lo: lo unsigned, hi signed */
+                for (int64_t i = 0; i < K; i += 32) {
+                    const __m512i v = _mm512_loadu_si512(q + i);
+                    _mm256_storeu_si256((__m256i *)(planes + r * K + i), _mm512_cvtepi16_epi8(v));
+                    _mm256_storeu_si256((__m256i *)(planes + (M + r) * K + i),
+                                        _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+                }
+                continue;
+            }
             for (int64_t i = 0; i < K; i += 32)
                 _mm512_storeu_si512(q + i, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(q + i)));
         }
@@ -436,7 +443,13 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
         for (int64_t c = 0; c < pairs_of_panels; c++) {
             if (!block) continue;
             const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
-            gemm_widen(kind, bytes, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, outliers, nout);
+            gemm_widen(kind, bytes || amx, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, outliers, nout);
+#ifdef NT_AMX
+            if (amx) {
+                amx_rows(kind, bytes, planes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);
+                continue;
+            }
+#endif
 #define NT_GEMM_ROWS(B)                                                                                              \
     if (kind == NT_Q4) gemm_rows(NT_Q4, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);                   \
     else if (kind == NT_Q4_F32) gemm_rows(NT_Q4_F32, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);      \

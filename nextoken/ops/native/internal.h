@@ -27,6 +27,15 @@
 #define NT_VNNI512 1
 #endif
 #endif
+/* NT_AMX: AMX-INT8 tiles on top of NT_VNNI512 (amx.c), where the compiler targets them (-march=native on a CPU that
+ * has them); used once the kernel grants the process the tile state. NT_EMULATE_AMX (tests only, with
+ * NT_EMULATE_AVX512) runs that route through emulate_amx.h, off until asked for (nt_amx). */
+#if defined(NT_VNNI512) && defined(NT_EMULATE_AMX)
+#include "emulate_amx.h"
+#define NT_AMX 1
+#elif defined(NT_VNNI512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define NT_AMX 1
+#endif
 
 #define NT_INTERNAL __attribute__((visibility("hidden")))
 
@@ -208,6 +217,24 @@ typedef struct {
 } quantized_rows;
 
 /* ------------------------------------------------------------ across units */
+
+#ifdef NT_VNNI512
+/* A thread's two panels of 16 weight rows each, for the GEMM over block weights (gemm.c, amx.c): their codes as the
+ * products take them (int16 pairs, or bytes) and their scales. */
+typedef struct {
+    void *codes[2];              /* int16: [K / 2][16 rows][2]; bytes: [K / 4][16 rows][4] */
+    float *scale[2], *offset[2]; /* [scale groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
+    int32_t *bias[2];            /* bytes of int8 codes: [scale groups][16], -128 times each row's codes' sum */
+    float *outlier[2];           /* bytes: the weights of the activations' outlier columns, [outliers][16] */
+} gemm_panels;
+#endif
+#ifdef NT_AMX
+/* amx.c */
+NT_INTERNAL int amx_on(void);
+NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const float *xd, const float *xs, int64_t M,
+                          int64_t K, const gemm_panels *p, float *out, int64_t ldo, int64_t n0, int64_t cols,
+                          const float *xo, int64_t nout);
+#endif
 
 /* formats.c */
 NT_INTERNAL void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order);

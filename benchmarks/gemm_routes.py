@@ -1,0 +1,100 @@
+"""The GEMM over block weights on each route this CPU has: AMX-INT8 tiles against AVX-512 VNNI (the same bits, see
+tests/unit/test_amx.py), with int16 activation codes (the default, exact) and int8 ones (`--activations int8`).
+
+Run: .venv/bin/python -m benchmarks.gemm_routes [--rows 64 512] [--rounds 5]
+
+One decoder block's projections of SmolLM2-135M (Q4 with fp16 scales, as its Q4_1 file) and of Gemma 3 270M (Q4
+with fp32 scales and offsets, as Q4_K; its down projection Q8 in halves, as Q6_K), and Gemma 3's LM head (int8
+codes, 262,144 rows) at 64 rows, random weights of the real shapes. Each round times every route once per shape,
+alternating, so that they share the same minute of the machine; medians over the rounds, in ms and in G products/s,
+with each route's ratio to VNNI's. Where the CPU has no AMX (or the kernel does not grant the tiles) only the VNNI
+route runs; without AVX-512 VNNI, the AVX2 build's routes (int8 activations change nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import describe_machine, save
+from nextoken.ops import native
+from nextoken.ops.quant_linear import Q4, Q4_F32, Q8, Q8_HALVES, q4_weight, q8_weight
+from nextoken.ops.quantize import q8_codes, regroup
+
+# (name, kind, outputs, inputs): one block's products (q, k and v fused; gate and up fused) and Gemma 3's head
+SHAPES = [("SmolLM2 qkv", Q4, 960, 576), ("SmolLM2 o", Q4, 576, 576), ("SmolLM2 gate_up", Q4, 3072, 576),
+          ("SmolLM2 down", Q4, 576, 1536), ("Gemma 3 qkv", Q4_F32, 1536, 640), ("Gemma 3 o", Q4_F32, 640, 1024),
+          ("Gemma 3 gate_up", Q4_F32, 4096, 640), ("Gemma 3 down", Q8_HALVES, 640, 2048),
+          ("Gemma 3 head", Q8, 262144, 640)]
+
+
+def weight(kind: int, n: int, k: int, gen: torch.Generator):  # noqa: ANN201 - BlockWeight
+    if kind == Q4:
+        return q4_weight(*regroup(torch.randn(n, k, generator=gen)))
+    if kind == Q4_F32:  # scales and offsets in fp32, as Q4_K's products of two factors
+        return q4_weight(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+                         torch.rand(n, k // 32, generator=gen) / 50, -torch.rand(n, k // 32, generator=gen) / 50)
+    if kind == Q8:
+        return q8_weight(*q8_codes(None, None, torch.randn(n, k, generator=gen)))
+    return q8_weight(torch.randint(-32, 32, (n, k), generator=gen, dtype=torch.int8),
+                     torch.rand(n, k // 16, generator=gen) / 10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    lib = native.library()
+    if lib is None:
+        raise SystemExit("the native kernels did not build")
+    print(describe_machine())
+    had = lib.nt_amx(-1)
+    routes = ["vnni", "amx"] if lib.nt_amx(1) else ["vnni"]
+    lib.nt_amx(had)
+    first = "VNNI" if lib.nt_has_vnni512() else "AVX2" if lib.nt_has_avx2() else "plain C"
+    label = {"vnni": first, "amx": "AMX"}
+    print(f"routes: {', '.join(label[r] for r in routes)}" + ("" if len(routes) > 1 else " (no AMX here)"))
+    gen = torch.Generator().manual_seed(0)
+    cases = []
+    for rows in args.rows:
+        for name, kind, n, k in SHAPES:
+            if "head" in name and rows > 64:
+                continue
+            cases.append((name, rows, weight(kind, n, k, gen), torch.randn(rows, k, generator=gen)))
+    times: dict[tuple[str, int, str, str], list[float]] = {}
+    try:
+        for _ in range(args.rounds):
+            for name, rows, part, x in cases:
+                out = torch.empty(rows, part.qs.shape[0])
+                for codes in ("int16", "int8"):
+                    for route in routes:
+                        lib.nt_amx(1 if route == "amx" else 0)
+                        start = time.perf_counter()
+                        native.block_matmul(lib, part.kind, x, part.qs, part.d, part.m, out, gemm=True,
+                                            int8_activations=codes == "int8")
+                        times.setdefault((name, rows, codes, route), []).append(time.perf_counter() - start)
+    finally:
+        lib.nt_amx(had)
+    results = []
+    print(f"{'product':18} {'rows':>5} {'codes':>6} " + " ".join(f"{label[r] + ' ms':>10} {label[r] + ' G/s':>9}"
+                                                             for r in routes)
+          + ("  AMX / VNNI" if len(routes) > 1 else ""))
+    for name, rows, part, x in cases:
+        for codes in ("int16", "int8"):
+            ops = rows * part.qs.shape[0] * x.shape[1] / 1e9
+            med = {r: statistics.median(times[(name, rows, codes, r)]) for r in routes}
+            line = f"{name:18} {rows:5d} {codes:>6} " + " ".join(f"{med[r] * 1e3:10.2f} {ops / med[r]:9.1f}"
+                                                                   for r in routes)
+            if len(routes) > 1:
+                line += f"  {med['vnni'] / med['amx']:.2f}x"
+            print(line)
+            results.append({"product": name, "rows": rows, "codes": codes, "ms": {r: med[r] * 1e3 for r in routes}})
+    save("gemm_routes", {"rounds": args.rounds, "results": results})
+
+
+if __name__ == "__main__":
+    main()

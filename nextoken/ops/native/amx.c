@@ -1,0 +1,161 @@
+/* The GEMM over block weights on AMX-INT8 tiles, where the CPU has them (Sapphire Rapids and later Xeons): one
+ * instruction multiplies a tile of 16 activation rows by a tile of 16 weight rows, 16 x 16 x 32 byte products, where
+ * a 512-bit vpdpwssd does 32 int16 products. Its sums are exact, so the route keeps the VNNI GEMM's bits: int16
+ * activation codes are 256 hi + lo, two planes of bytes (hi signed, lo unsigned) through tdpbssd and tdpbusd, their
+ * int32 sums combined as 256 hi + lo, which is the int16 product's sum; int8 activation codes are one plane. Every
+ * byte product is signed by the instruction itself (weights as signed bytes: Q4's codes 0..15 and int8 codes alike),
+ * so no bias is taken out. From each scale group's int32 sums on, the float work is gemm_tile's operation for
+ * operation (a multiply-add by the product of the scales, Q4's offset one more, the outlier columns in order, then
+ * the two levels added), so a row's numbers do not depend on the route (tests/unit/test_amx.py holds them to the
+ * VNNI route bit for bit, on the tiles emulated by emulate_amx.h where the CPU has none).
+ *
+ * The weights come as gemm_widen's byte panels: [K / 4][16 rows][4 codes] is the layout of a tile's second operand
+ * (K / 4 rows of 16 columns of 4 bytes), so a scale group of 32 codes (16 for Q8 in halves) is one tile of 8 (4) rows
+ * at its offset, 64 bytes apart. The activations are planes of bytes [rows][K]: a group is a tile of up to 16 rows at
+ * its column, K bytes apart. Each group's product goes to a tile of int32 sums of its own, stored and scaled in
+ * AVX-512 as the VNNI route scales its sums. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#ifdef NT_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#ifndef ARCH_REQ_XCOMP_PERM
+#define ARCH_REQ_XCOMP_PERM 0x1023 /* Linux 5.16: ask for an extended state component for the process */
+#endif
+#define XFEATURE_XTILEDATA 18 /* the tiles' data */
+
+static int amx_granted = -1; /* the kernel's answer for this process; -1 until asked */
+static int amx_enabled = -1; /* the route is taken; -1: not yet decided (on where granted, emulated: off) */
+
+/* Linux hands out the tiles' 8 KB of state only to a process that asks for it (the first tile instruction of one
+ * that did not raises SIGILL). */
+static int amx_request(void) {
+    if (amx_granted < 0) {
+#ifdef NT_EMULATE_AMX
+        amx_granted = 1;
+#else
+        amx_granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#endif
+    }
+    return amx_granted;
+}
+
+NT_INTERNAL int amx_on(void) {
+    if (amx_enabled < 0) {
+#ifdef NT_EMULATE_AMX
+        amx_enabled = 0;
+#else
+        amx_enabled = amx_request();
+#endif
+    }
+    return amx_enabled;
+}
+
+int nt_amx(int want) {
+    if (want >= 0) amx_enabled = want && amx_request();
+    return amx_on();
+}
+
+/* The tile configuration (palette 1): tiles 0 and 1 the activations' lo and hi planes (R rows of a group's gk bytes),
+ * 2 and 3 the two panels' codes (gk / 4 rows of 64 bytes), 4 and 5 the sums of hi (or the byte codes) against each
+ * panel, 6 and 7 those of lo (R rows of 16 int32). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static void amx_configure(int R, int gk) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = (uint8_t)(t == 2 || t == 3 ? gk / 4 : R);
+        c.colsb[t] = (uint16_t)(t < 2 ? gk : 64);
+    }
+    _tile_loadconfig(&c);
+}
+
+/* out rows of code rows [0, M) (int16: M even, rows 2r and 2r + 1 the levels of out row r) and columns n0..n0 +
+ * cols - 1 (cols <= 32), from planes ([M][K] bytes; int16: the lo plane, then the hi plane), the code rows' scales xd
+ * and Q4 sums xs [M][groups], (bytes) the outlier values xo [M][nout], and the panels p (gemm_widen's bytes). */
+NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const float *xd, const float *xs, int64_t M,
+                          int64_t K, const gemm_panels *p, float *out, int64_t ldo, int64_t n0, int64_t cols,
+                          const float *xo, int64_t nout) {
+    const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
+    const int gk = halves ? 16 : 32;
+    const uint8_t *lo = planes, *hi = bytes ? planes : planes + M * K;
+    const uint8_t *w0 = (const uint8_t *)p->codes[0], *w1 = (const uint8_t *)p->codes[1];
+    int32_t sums[4][16][16] __attribute__((aligned(64))); /* hi (or bytes) x panel 0, x panel 1; lo x 0, x 1 */
+    __m512 f[16][2];
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    int shape = 0;
+    for (int64_t r0 = 0; r0 < M; r0 += 16) {
+        const int R = M - r0 < 16 ? (int)(M - r0) : 16;
+        if (R != shape) amx_configure(R, gk), shape = R;
+        for (int t = 0; t < R; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+        for (int64_t s = 0; s < sg; s++) {
+            const int64_t g = halves ? s / 2 : s;
+            _tile_loadd(2, w0 + s * gk * 16, 64);
+            _tile_loadd(3, w1 + s * gk * 16, 64);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_loadd(1, hi + r0 * K + s * gk, K);
+            _tile_dpbssd(4, 1, 2);
+            _tile_dpbssd(5, 1, 3);
+            _tile_stored(4, sums[0], 64);
+            _tile_stored(5, sums[1], 64);
+            if (!bytes) {
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_loadd(0, lo + r0 * K + s * gk, K);
+                _tile_dpbusd(6, 0, 2);
+                _tile_dpbusd(7, 0, 3);
+                _tile_stored(6, sums[2], 64);
+                _tile_stored(7, sums[3], 64);
+            }
+            const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
+            const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
+            const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
+            for (int t = 0; t < R; t++) {
+                __m512i a0 = _mm512_load_si512(sums[0][t]), a1 = _mm512_load_si512(sums[1][t]);
+                if (!bytes) {
+                    a0 = _mm512_add_epi32(_mm512_slli_epi32(a0, 8), _mm512_load_si512(sums[2][t]));
+                    a1 = _mm512_add_epi32(_mm512_slli_epi32(a1, 8), _mm512_load_si512(sums[3][t]));
+                }
+                const __m512 dx = _mm512_set1_ps(xd[(r0 + t) * groups + g]);
+                f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), f[t][0]);
+                f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d1, dx), f[t][1]);
+                if (IS_Q4(kind)) {
+                    const __m512 sx = _mm512_set1_ps(xs[(r0 + t) * groups + g]);
+                    f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
+                    f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
+                }
+            }
+        }
+        for (int64_t j = 0; j < nout; j++) { /* the outlier columns (bytes), in fp32 */
+            const __m512 v0 = _mm512_loadu_ps(p->outlier[0] + j * 16), v1 = _mm512_loadu_ps(p->outlier[1] + j * 16);
+            for (int t = 0; t < R; t++) {
+                const __m512 v = _mm512_set1_ps(xo[(r0 + t) * nout + j]);
+                f[t][0] = _mm512_fmadd_ps(v, v0, f[t][0]);
+                f[t][1] = _mm512_fmadd_ps(v, v1, f[t][1]);
+            }
+        }
+        for (int t = 0; t < R; t += bytes ? 1 : 2) {
+            float *o = out + (bytes ? r0 + t : (r0 + t) >> 1) * ldo + n0;
+            _mm512_mask_storeu_ps(o, k0, bytes ? f[t][0] : _mm512_add_ps(f[t][0], f[t + 1][0]));
+            _mm512_mask_storeu_ps(o + 16, k1, bytes ? f[t][1] : _mm512_add_ps(f[t][1], f[t + 1][1]));
+        }
+    }
+    _tile_release();
+}
+
+#else
+int nt_amx(int want) {
+    (void)want;
+    return 0;
+}
+#endif
