@@ -1,11 +1,14 @@
-"""The GEMM over block weights on each route this CPU has: AMX-INT8 tiles against AVX-512 VNNI (the same bits, see
+"""Products over block weights on each route this CPU has: AMX-INT8 tiles against AVX-512 VNNI (the same bits, see
 tests/unit/test_amx.py), with int16 activation codes (the default, exact) and int8 ones (`--activations int8`).
 
-Run: .venv/bin/python -m benchmarks.gemm_routes [--rows 64 512] [--rounds 5]
+Run: .venv/bin/python -m benchmarks.gemm_routes [--rows 4 8 16 64 512] [--rounds 5]
+
+Called as the engine calls them: up to 16 rows the few-row entry (the VNNI route's block_few, which AMX replaces from
+8 rows), past that the GEMM; int8 codes with fixed outlier columns, as calibration fixes them.
 
 One decoder block's projections of SmolLM2-135M (Q4 with fp16 scales, as its Q4_1 file) and of Gemma 3 270M (Q4
 with fp32 scales and offsets, as Q4_K; its down projection Q8 in halves, as Q6_K), and Gemma 3's LM head (int8
-codes, 262,144 rows) at 64 rows, random weights of the real shapes. Each round times every route once per shape,
+codes, 262,144 rows) at 8, 16 and 64 rows, random weights of the real shapes. Each round times every route once per shape,
 alternating, so that they share the same minute of the machine; medians over the rounds, in ms and in G products/s,
 with each route's ratio to VNNI's. Where the CPU has no AMX (or the kernel does not grant the tiles) only the VNNI
 route runs; without AVX-512 VNNI, the AVX2 build's routes (int8 activations change nothing there).
@@ -21,7 +24,7 @@ import torch
 
 from benchmarks.common import describe_machine, save
 from nextoken.ops import native
-from nextoken.ops.quant_linear import Q4, Q4_F32, Q8, Q8_HALVES, q4_weight, q8_weight
+from nextoken.ops.quant_linear import Q4, Q4_F32, Q8, Q8_HALVES, VNNI_MAX_ROWS, q4_weight, q8_weight
 from nextoken.ops.quantize import q8_codes, regroup
 
 # (name, kind, outputs, inputs): one block's products (q, k and v fused; gate and up fused) and Gemma 3's head
@@ -29,6 +32,9 @@ SHAPES = [("SmolLM2 qkv", Q4, 960, 576), ("SmolLM2 o", Q4, 576, 576), ("SmolLM2 
           ("SmolLM2 down", Q4, 576, 1536), ("Gemma 3 qkv", Q4_F32, 1536, 640), ("Gemma 3 o", Q4_F32, 640, 1024),
           ("Gemma 3 gate_up", Q4_F32, 4096, 640), ("Gemma 3 down", Q8_HALVES, 640, 2048),
           ("Gemma 3 head", Q8, 262144, 640)]
+
+FEW_ROWS = VNNI_MAX_ROWS  # the few-row kernels' limit with AVX-512 VNNI
+OUTLIERS = torch.tensor([3, 100, 200, 301, 402, 500, 555, 570], dtype=torch.int32)  # fixed, as calibration fixes them
 
 
 def weight(kind: int, n: int, k: int, gen: torch.Generator):  # noqa: ANN201 - BlockWeight
@@ -45,7 +51,7 @@ def weight(kind: int, n: int, k: int, gen: torch.Generator):  # noqa: ANN201 - B
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 64, 512])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     lib = native.library()
@@ -62,7 +68,7 @@ def main() -> None:
     cases = []
     for rows in args.rows:
         for name, kind, n, k in SHAPES:
-            if "head" in name and rows > 64:
+            if "head" in name and rows not in (8, 16, 64):
                 continue
             cases.append((name, rows, weight(kind, n, k, gen), torch.randn(rows, k, generator=gen)))
     times: dict[tuple[str, int, str, str], list[float]] = {}
@@ -74,8 +80,11 @@ def main() -> None:
                     for route in routes:
                         lib.nt_amx(1 if route == "amx" else 0)
                         start = time.perf_counter()
-                        native.block_matmul(lib, part.kind, x, part.qs, part.d, part.m, out, gemm=True,
-                                            int8_activations=codes == "int8")
+                        # as the engine calls them: the few-row route up to 16 rows (int16 codes; int8 ones with
+                        # their outlier columns fixed), the GEMM past that
+                        native.block_matmul(lib, part.kind, x, part.qs, part.d, part.m, out,
+                                            gemm=rows > FEW_ROWS or codes == "int8", int8_activations=codes == "int8",
+                                            outliers=OUTLIERS if codes == "int8" else None)
                         times.setdefault((name, rows, codes, route), []).append(time.perf_counter() - start)
     finally:
         lib.nt_amx(had)

@@ -82,6 +82,30 @@ def test_amx_gemm_with_fixed_outlier_columns(amx: ctypes.CDLL) -> None:
         assert torch.equal(alone, tiles[16:])
 
 
+def test_few_rows_on_amx_have_the_same_bits(amx: ctypes.CDLL) -> None:
+    """Products of a few rows (nt_block_matmul's from two rows, nt_block_gemm8's with fixed outlier columns up to 16)
+    take the AMX GEMM from 8 rows instead of the few-row kernel: every row count from 2 to 16 gives the same bits
+    with the route on and off, for both kinds of activation codes."""
+    checked = 0
+    for part, _, x in gemm_cases(13, outliers=True):
+        if x.shape[0] < 16:
+            continue
+        k, n = x.shape[1], part.qs.shape[0]
+        outliers = torch.arange(2, k, max(1, k // 3), dtype=torch.int32)[:native.OUTLIER_MAX]
+        for rows in range(2, 17):
+            for int8 in (False, True):
+                def run() -> torch.Tensor:
+                    out = torch.full((rows, n), float("nan"))
+                    native.block_matmul(amx, part.kind, x[:rows], part.qs, part.d, part.m, out, gemm=int8,
+                                        int8_activations=int8, outliers=outliers if int8 else None)
+                    return out
+
+                few, tiles = both_routes(amx, run)
+                assert torch.equal(few, tiles), (part.kind, tuple(part.qs.shape), rows, int8)
+                checked += 1
+    assert checked >= 200
+
+
 def test_the_amx_route_builds_for_sapphire_rapids(tmp_path: Path) -> None:
     """The route with the real instructions (the intrinsics, not the emulation) compiles without a warning for a CPU
     that has AMX, whatever the host: the units a Sapphire Rapids machine builds at first use, with its flags."""

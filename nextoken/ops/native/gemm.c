@@ -734,9 +734,30 @@ static int block_few(int kind, int bytes, const float *x, int64_t M, int64_t K, 
     return failed ? -1 : 0;
 }
 
-/* nt_block_matmul's products of two rows and more with AVX-512 VNNI (two levels of int16 codes): block_few. */
+static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
+                            const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
+                            const int32_t *outliers, int64_t num_outliers);
+
+/* Activation rows from which a product of a few rows (nt_block_matmul's, nt_block_gemm8's with fixed outlier
+ * columns) takes the GEMM on AMX tiles instead of block_few, where that route is on: the same bits either way. From
+ * 8 rows the int16 codes' two levels fill a tile of 16 rows; not yet measured against block_few on such a CPU
+ * (benchmarks/gemm_routes.py times both). */
+#define AMX_FEW_ROWS 8
+
+static int few_on_amx(int64_t M) {
+#ifdef NT_AMX
+    return M >= AMX_FEW_ROWS && amx_on();
+#else
+    (void)M;
+    return 0;
+#endif
+}
+
+/* nt_block_matmul's products of two rows and more with AVX-512 VNNI (two levels of int16 codes): block_few, or the
+ * GEMM on AMX tiles (few_on_amx). */
 NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                              const void *d, const void *m, float *out, int64_t ldo, int threads) {
+    if (few_on_amx(M)) return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
     return block_few(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
 }
 
@@ -808,7 +829,7 @@ int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, 
 #ifdef NT_VNNI512
     if (!KNOWN_KIND(kind) || K % QK) return -1;
     if (M == 0) return 0;
-    if (num_outliers >= 0 && M <= ROWS8_MAX)
+    if (num_outliers >= 0 && M <= ROWS8_MAX && !few_on_amx(M))
         return block_few(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
     return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
 #else
