@@ -89,6 +89,16 @@ static inline void nt_amx_dp(int dst, int a, int b, int a_signed, int b_signed) 
         }
 }
 
+/* immintrin.h (which SIMDe includes) defines some of these names whatever the target */
+#undef _tile_loadconfig
+#undef _tile_release
+#undef _tile_zero
+#undef _tile_loadd
+#undef _tile_stored
+#undef _tile_dpbssd
+#undef _tile_dpbsud
+#undef _tile_dpbusd
+#undef _tile_dpbuud
 #define _tile_loadconfig(config) nt_amx_loadconfig(config)
 #define _tile_release() nt_amx_release()
 #define _tile_zero(t) nt_amx_zero(t)

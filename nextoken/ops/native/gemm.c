@@ -34,7 +34,6 @@
  * times as long, no faster). */
 #define IG_PREFETCH_ROWS 128
 
-
 /* r[i] lane c -> r[c] lane i, for 16 vectors of 16 int32: pairs within 128-bit lanes, then 4 x 4 blocks of lanes. */
 static inline void transpose16_epi32(__m512i r[16]) {
     __m512i t[16];
@@ -362,7 +361,8 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
 #else
     const int amx = 0;
 #endif
-    void *rows = malloc((size_t)(M * K * (amx && !bytes ? 2 * width : width) + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
+    const int64_t code_bytes = M * K * (amx && !bytes ? 2 * width : width); /* AMX: int16 codes, then their planes */
+    void *rows = malloc((size_t)(code_bytes + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
                                  groups * (int64_t)sizeof(uint32_t) +
                                  (bytes ? (team + 2) * K * (int64_t)sizeof(float) : 0)) + 64);
     if (!rows) return -1;
