@@ -6,7 +6,9 @@ the packing are tested on every machine."""
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,14 @@ def test_the_amx_route_builds_for_sapphire_rapids(tmp_path: Path) -> None:
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         assert b"nt_amx" in (tmp_path / "unit.o").read_bytes() or unit != "amx.c"
+
+
+def test_nextoken_amx_0_keeps_the_vnni_route() -> None:
+    """NEXTOKEN_AMX=0 leaves the tiles alone (the library decides once, at load); by default a build with the route
+    takes it."""
+    probe = "from nextoken.ops import native; lib = native.library(); print(lib.nt_amx(-1))"
+    off = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         env={**os.environ, "NEXTOKEN_AMX": "0"}, check=True)
+    assert off.stdout.strip() == "0"
+    default = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert default.stdout.strip() == str(native.library().nt_amx(-1))

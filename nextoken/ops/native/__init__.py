@@ -70,8 +70,9 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 _lib = load(build())
-                if os.environ.get("NEXTOKEN_AMX") == "0":  # the VNNI route where the CPU has AMX: the same bits
-                    _lib.nt_amx(0)
+                # AMX tiles decided once, here, before any thread runs a product (NEXTOKEN_AMX=0: the VNNI route,
+                # the same bits)
+                _lib.nt_amx(0 if os.environ.get("NEXTOKEN_AMX") == "0" else -1)
             except (RuntimeError, OSError) as exc:
                 logger.warning("native kernels unavailable, using torch's: %s", exc)
     return _lib
