@@ -6,9 +6,7 @@ the packing are tested on every machine."""
 from __future__ import annotations
 
 import ctypes
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -121,12 +119,23 @@ def test_the_amx_route_builds_for_sapphire_rapids(tmp_path: Path) -> None:
         assert b"nt_amx" in (tmp_path / "unit.o").read_bytes() or unit != "amx.c"
 
 
-def test_nextoken_amx_0_keeps_the_vnni_route() -> None:
-    """NEXTOKEN_AMX=0 leaves the tiles alone (the library decides once, at load); by default a build with the route
-    takes it."""
-    probe = "from nextoken.ops import native; lib = native.library(); print(lib.nt_amx(-1))"
-    off = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                         env={**os.environ, "NEXTOKEN_AMX": "0"}, check=True)
-    assert off.stdout.strip() == "0"
-    default = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert default.stdout.strip() == str(native.library().nt_amx(-1))
+def test_nextoken_amx_0_keeps_the_vnni_route(amx: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """native.library() decides the route once, as it loads the kernels: NEXTOKEN_AMX=0 takes the tiles off a build
+    whose route is on (the host's where it has AMX, else the emulated build switched on); without it the route stays
+    as the build has it."""
+    before = amx.nt_amx(-1)
+    monkeypatch.setattr(native, "build", lambda: Path("built.so"))
+    monkeypatch.setattr(native, "load", lambda path: amx)
+    try:
+        for setting, expected in (("0", 0), (None, 1)):
+            assert amx.nt_amx(1) == 1
+            monkeypatch.setattr(native, "_lib", None)
+            monkeypatch.setattr(native, "_tried", False)
+            if setting is None:
+                monkeypatch.delenv("NEXTOKEN_AMX", raising=False)
+            else:
+                monkeypatch.setenv("NEXTOKEN_AMX", setting)
+            assert native.library() is amx
+            assert amx.nt_amx(-1) == expected, setting
+    finally:
+        amx.nt_amx(before)

@@ -78,6 +78,20 @@ static void amx_configure(int R, int gk) {
     _tile_loadconfig(&c);
 }
 
+/* One plane's group of codes (rows `stride` bytes apart from `src`, into tile `a`) against both panels' codes (tiles
+ * 2 and 3) by the product `dp`, the sums in tiles c0 and c1, stored to to[0] and to[1]. Tiles are the instructions'
+ * immediates: literal numbers only. */
+#define AMX_PLANE(dp, a, c0, c1, src, stride, to)                                                                    \
+    do {                                                                                                             \
+        _tile_zero(c0);                                                                                              \
+        _tile_zero(c1);                                                                                              \
+        _tile_loadd(a, src, stride);                                                                                 \
+        dp(c0, a, 2);                                                                                                \
+        dp(c1, a, 3);                                                                                                \
+        _tile_stored(c0, (to)[0], 64);                                                                               \
+        _tile_stored(c1, (to)[1], 64);                                                                               \
+    } while (0)
+
 /* out rows of code rows [0, M) (int16: M even, rows 2r and 2r + 1 the levels of out row r) and columns n0..n0 +
  * cols - 1 (cols <= 32), from planes ([M][K] bytes; int16: the lo plane, then the hi plane), the code rows' scales xd
  * and Q4 sums xs [M][groups], (bytes) the outlier values xo [M][nout], and the panels p (gemm_widen's bytes). */
@@ -90,8 +104,6 @@ NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const floa
     const uint8_t *w0 = (const uint8_t *)p->codes[0], *w1 = (const uint8_t *)p->codes[1];
     int32_t sums[4][16][16] __attribute__((aligned(64))); /* hi (or bytes) x panel 0, x panel 1; lo x 0, x 1 */
     __m512 f[16][2];
-    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
     int shape = 0;
     for (int64_t r0 = 0; r0 < M; r0 += 16) {
         const int R = M - r0 < 16 ? (int)(M - r0) : 16;
@@ -101,57 +113,28 @@ NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const floa
             const int64_t g = halves ? s / 2 : s;
             _tile_loadd(2, w0 + s * gk * 16, 64);
             _tile_loadd(3, w1 + s * gk * 16, 64);
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_loadd(1, hi + r0 * K + s * gk, K);
-            _tile_dpbssd(4, 1, 2);
-            _tile_dpbssd(5, 1, 3);
-            _tile_stored(4, sums[0], 64);
-            _tile_stored(5, sums[1], 64);
-            if (!bytes) {
-                _tile_zero(6);
-                _tile_zero(7);
-                _tile_loadd(0, lo + r0 * K + s * gk, K);
-                _tile_dpbusd(6, 0, 2);
-                _tile_dpbusd(7, 0, 3);
-                _tile_stored(6, sums[2], 64);
-                _tile_stored(7, sums[3], 64);
-            }
+            AMX_PLANE(_tile_dpbssd, 1, 4, 5, hi + r0 * K + s * gk, K, sums); /* hi: signed; or the byte codes */
+            if (!bytes) AMX_PLANE(_tile_dpbusd, 0, 6, 7, lo + r0 * K + s * gk, K, sums + 2); /* lo: unsigned */
             const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
             const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
             const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
             for (int t = 0; t < R; t++) {
                 __m512i a0 = _mm512_load_si512(sums[0][t]), a1 = _mm512_load_si512(sums[1][t]);
-                if (!bytes) {
+                if (!bytes) { /* 256 hi + lo */
                     a0 = _mm512_add_epi32(_mm512_slli_epi32(a0, 8), _mm512_load_si512(sums[2][t]));
                     a1 = _mm512_add_epi32(_mm512_slli_epi32(a1, 8), _mm512_load_si512(sums[3][t]));
                 }
                 const __m512 dx = _mm512_set1_ps(xd[(r0 + t) * groups + g]);
-                f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a0), _mm512_mul_ps(d0, dx), f[t][0]);
-                f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a1), _mm512_mul_ps(d1, dx), f[t][1]);
-                if (IS_Q4(kind)) {
-                    const __m512 sx = _mm512_set1_ps(xs[(r0 + t) * groups + g]);
-                    f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
-                    f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
-                }
+                const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[(r0 + t) * groups + g]) : _mm512_setzero_ps();
+                f[t][0] = scale_group(f[t][0], a0, d0, dx, IS_Q4(kind), m0, sx);
+                f[t][1] = scale_group(f[t][1], a1, d1, dx, IS_Q4(kind), m1, sx);
             }
         }
-        for (int64_t j = 0; j < nout; j++) { /* the outlier columns (bytes), in fp32 */
-            const __m512 v0 = _mm512_loadu_ps(p->outlier[0] + j * 16), v1 = _mm512_loadu_ps(p->outlier[1] + j * 16);
-            for (int t = 0; t < R; t++) {
-                const __m512 v = _mm512_set1_ps(xo[(r0 + t) * nout + j]);
-                f[t][0] = _mm512_fmadd_ps(v, v0, f[t][0]);
-                f[t][1] = _mm512_fmadd_ps(v, v1, f[t][1]);
-            }
-        }
-        for (int t = 0; t < R; t += bytes ? 1 : 2) {
-            float *o = out + (bytes ? r0 + t : (r0 + t) >> 1) * ldo + n0;
-            _mm512_mask_storeu_ps(o, k0, bytes ? f[t][0] : _mm512_add_ps(f[t][0], f[t + 1][0]));
-            _mm512_mask_storeu_ps(o + 16, k1, bytes ? f[t][1] : _mm512_add_ps(f[t][1], f[t + 1][1]));
-        }
+        tile_out(bytes, R, f, p, xo, nout, r0, out, ldo, n0, cols);
     }
     _tile_release();
 }
+#undef AMX_PLANE
 
 #else
 int nt_amx(int want) {

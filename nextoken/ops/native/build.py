@@ -31,8 +31,8 @@ SOURCES = sorted(HERE.glob("*.c"))
 WARNINGS = ["-Wall", "-Wextra", "-Werror"]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden", *WARNINGS]
 # Tests only: the AVX-512 routes on any x86-64 CPU (emulate512.h; SIMDe's headers, Debian's libsimde-dev), and the
-# AMX route beside them (emulate_amx.h), off until nt_amx(1). -O1: the
-# emulated intrinsics take minutes to compile at -O3. For AVX2 (x86-64-v3) whatever the host: an intrinsic SIMDe
+# AMX route beside them (emulate_amx.h), off until nt_amx(1). -O1: the emulated intrinsics take minutes to compile
+# at -O3. For AVX2 (x86-64-v3) whatever the host: an intrinsic SIMDe
 # lacks, which the compiler's own header then supplies, fails the build on every machine, not only on those without
 # AVX-512 (where a host with it would compile the real instruction).
 EMULATED_AVX512_FLAGS = ["-O1", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-fvisibility=hidden",

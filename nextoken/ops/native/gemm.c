@@ -291,42 +291,16 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
             }
         }
         const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
+        const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
+        const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
         for (int t = 0; t < T; t++) {
             const __m512 dx = _mm512_set1_ps(xd[(r0 + t) * groups + g]);
-            f[t][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][0]), _mm512_mul_ps(d0, dx), f[t][0]);
-            f[t][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[t][1]), _mm512_mul_ps(d1, dx), f[t][1]);
-        }
-        if (IS_Q4(kind)) {
-            const __m512 m0 = _mm512_loadu_ps(p->offset[0] + s * 16), m1 = _mm512_loadu_ps(p->offset[1] + s * 16);
-            for (int t = 0; t < T; t++) {
-                const __m512 sx = _mm512_set1_ps(xs[(r0 + t) * groups + g]);
-                f[t][0] = _mm512_fmadd_ps(m0, sx, f[t][0]);
-                f[t][1] = _mm512_fmadd_ps(m1, sx, f[t][1]);
-            }
+            const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[(r0 + t) * groups + g]) : _mm512_setzero_ps();
+            f[t][0] = scale_group(f[t][0], a[t][0], d0, dx, IS_Q4(kind), m0, sx);
+            f[t][1] = scale_group(f[t][1], a[t][1], d1, dx, IS_Q4(kind), m1, sx);
         }
     }
-    for (int64_t j = 0; j < nout; j++) { /* the outlier columns (bytes), in fp32 */
-        const __m512 w0 = _mm512_loadu_ps(p->outlier[0] + j * 16), w1 = _mm512_loadu_ps(p->outlier[1] + j * 16);
-        for (int t = 0; t < T; t++) {
-            const __m512 v = _mm512_set1_ps(xo[(r0 + t) * nout + j]);
-            f[t][0] = _mm512_fmadd_ps(v, w0, f[t][0]);
-            f[t][1] = _mm512_fmadd_ps(v, w1, f[t][1]);
-        }
-    }
-    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
-    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
-    if (!bytes) { /* int16 codes: rows r0 + t and r0 + t + 1 are the two levels of activation row (r0 + t) / 2 */
-        for (int t = 0; t < T; t += 2) {
-            float *o = out + ((r0 + t) >> 1) * ldo + n0;
-            _mm512_mask_storeu_ps(o, k0, _mm512_add_ps(f[t][0], f[t + 1][0]));
-            _mm512_mask_storeu_ps(o + 16, k1, _mm512_add_ps(f[t][1], f[t + 1][1]));
-        }
-        return;
-    }
-    for (int t = 0; t < T; t++) {
-        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0, k0, f[t][0]);
-        _mm512_mask_storeu_ps(out + (r0 + t) * ldo + n0 + 16, k1, f[t][1]);
-    }
+    tile_out(bytes, T, f, p, xo, nout, r0, out, ldo, n0, cols);
 }
 
 static inline __attribute__((always_inline)) void gemm_rows(int kind, int bytes, const void *codes, const float *xd,
@@ -570,9 +544,8 @@ static inline __attribute__((always_inline)) void few_group(const int kind, cons
                 sum = _mm512_add_epi32(sum, _mm512_slli_epi32(hi, 8));
             }
             const int64_t r = t + j;
-            const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * groups + g]));
-            f[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, f[r]);
-            if (IS_Q4(kind)) f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * groups + g]), f[r]);
+            f[r] = scale_group(f[r], sum, dw, _mm512_set1_ps(xd[r * groups + g]), IS_Q4(kind), mw,
+                               IS_Q4(kind) ? _mm512_set1_ps(xs[r * groups + g]) : _mm512_setzero_ps());
         }
     }
 }

@@ -227,6 +227,40 @@ typedef struct {
     int32_t *bias[2];            /* bytes of int8 codes: [scale groups][16], -128 times each row's codes' sum */
     float *outlier[2];           /* bytes: the weights of the activations' outlier columns, [outliers][16] */
 } gemm_panels;
+
+/* The float work of every route with the GEMM's bits, shared so that their results cannot drift apart (gemm_tile,
+ * few_group, amx_rows): one scale group's exact int32 sums of a row of codes against 16 weight rows into its float
+ * accumulator, by one multiply-add by the product of the weights' scales dw and the row's scale dx (broadcast), and
+ * for Q4 weights one more, their offsets mw by the row's code sum sx (broadcast). */
+static inline __attribute__((always_inline)) __m512 scale_group(__m512 f, __m512i sums, __m512 dw, __m512 dx, int q4,
+                                                                __m512 mw, __m512 sx) {
+    f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dw, dx), f);
+    return q4 ? _mm512_fmadd_ps(mw, sx, f) : f;
+}
+
+/* A GEMM tile's outputs, rows r0..r0 + T - 1 of codes by columns n0..n0 + cols - 1 (cols <= 32), from its float
+ * accumulators f (every scale group done): (bytes) the outlier columns' fp32 products added, values xo [rows][nout],
+ * then stored; int16 codes: rows r0 + t and r0 + t + 1 (r0 and T even) are the two levels of out row (r0 + t) / 2,
+ * added. */
+static inline __attribute__((always_inline)) void tile_out(int bytes, int T, __m512 (*f)[2], const gemm_panels *p,
+                                                           const float *xo, int64_t nout, int64_t r0, float *out,
+                                                           int64_t ldo, int64_t n0, int64_t cols) {
+    for (int64_t j = 0; j < nout; j++) {
+        const __m512 w0 = _mm512_loadu_ps(p->outlier[0] + j * 16), w1 = _mm512_loadu_ps(p->outlier[1] + j * 16);
+        for (int t = 0; t < T; t++) {
+            const __m512 v = _mm512_set1_ps(xo[(r0 + t) * nout + j]);
+            f[t][0] = _mm512_fmadd_ps(v, w0, f[t][0]);
+            f[t][1] = _mm512_fmadd_ps(v, w1, f[t][1]);
+        }
+    }
+    const __mmask16 k0 = cols >= 16 ? 0xFFFF : (__mmask16)((1u << cols) - 1);
+    const __mmask16 k1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    for (int t = 0; t < T; t += bytes ? 1 : 2) {
+        float *o = out + (bytes ? r0 + t : (r0 + t) >> 1) * ldo + n0;
+        _mm512_mask_storeu_ps(o, k0, bytes ? f[t][0] : _mm512_add_ps(f[t][0], f[t + 1][0]));
+        _mm512_mask_storeu_ps(o + 16, k1, bytes ? f[t][1] : _mm512_add_ps(f[t][1], f[t + 1][1]));
+    }
+}
 #endif
 #ifdef NT_AMX
 /* amx.c */
