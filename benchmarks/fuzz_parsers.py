@@ -9,11 +9,21 @@ non-zero exit and the input saved under `--artifacts`.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import atheris
+# libFuzzer's memory limit reads the process's peak RSS (getrusage), which Linux carries across exec from the process
+# that started this one: started by a large process (a test worker holding models), a run would be held to that
+# process's size and stop at once. Such a run starts again as a child of its own, whose count begins at its own size.
+FRESH = "NEXTOKEN_FUZZ_FRESH_RSS"
+if __name__ == "__main__" and FRESH not in os.environ and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss > 256 << 10:
+    sys.exit(subprocess.call([sys.executable, *sys.argv], env={**os.environ, FRESH: "1"}))
+
+import atheris  # noqa: E402 - after the restart above, which needs none of it
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

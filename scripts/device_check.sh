@@ -19,7 +19,8 @@ fi
 export PYTHONPATH="$PWD:/tmp/nextoken-site:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 1
 status=0
-python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_graphs.py tests/unit/test_engine.py \
+# `-o addopts=`: the tests in this one process (pyproject.toml's workers need pytest-xdist, which such a machine may lack)
+python3 -m pytest -q -rs -o addopts= -p no:cacheprovider tests/unit/test_graphs.py tests/unit/test_engine.py \
     tests/unit/test_attention.py 2>&1 | tee "$out/unit.log" || status=1
 # The reference tests of the installed packaged models (a model that is not installed is left out, not failed).
 models=$(python3 -c "
@@ -27,7 +28,7 @@ from nextoken.loader.registry import REGISTRY, is_installed
 from tests.conftest import REAL_MODELS
 print(' or '.join(key for key, name in REAL_MODELS.items() if is_installed(REGISTRY[name])))")
 if [ -n "$models" ]; then
-    python3 -m pytest -q -s -rs -p no:cacheprovider tests/models/test_reference.py -k "cuda and ($models)" 2>&1 \
+    python3 -m pytest -q -s -rs -o addopts= -p no:cacheprovider tests/models/test_reference.py -k "cuda and ($models)" 2>&1 \
         | tee "$out/reference.log" || status=1
 else
     echo "no packaged model installed: reference tests not run"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import nextoken  # noqa: F401 - before torch loads: its OpenMP setting (GOMP_SPINCOUNT) counts only then
 from tests.tiny import write_tiny_model
 
 DATA = Path(__file__).parent / "data"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import common, latency, profile_decode, roofline, sampling, speculative, throughput
+from benchmarks import common, contention, latency, profile_decode, roofline, sampling, speculative, throughput
 from benchmarks.common import TransformersWorker
 from nextoken import LLM
 from tests.conftest import REAL_MODELS
@@ -46,6 +46,17 @@ def test_speculative_compares_both_engines(llm: LLM) -> None:
     r = speculative.measure(llm, spec, name, text, params, repeats=1)
     assert r["same"] and r["tokens"] > 0 and r["plain_tok_s"] > 0 and r["ngram_tok_s"] > 0
     assert 0 <= r["acceptance"] <= 1 and "CPUs" in common.describe_machine()
+
+
+def test_contention_decodes_alone_and_beside_another() -> None:
+    decoders = [contention.Decoder(REAL_MODELS[MODEL], spin, steps=4) for spin in ("300", "300")]
+    try:
+        alone = contention.decode_together(decoders[:1])
+        beside = contention.decode_together(decoders)
+    finally:
+        for d in decoders:
+            d.close()
+    assert len(alone) == 1 and len(beside) == 2 and all(rate > 0 for rate in alone + beside)
 
 
 def test_profile_decode_tables_one_batched_step() -> None:
