@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 # the next region before they sleep. libgomp's default, 300,000 rounds (milliseconds), costs nothing on an idle
 # machine, but beside another busy process the waiting threads burn the time slices that the threads they wait for
 # need: two processes decoding at once on 2 cores each ran at a quarter of their speed alone, or far less, instead
-# of about half. 300 rounds (microseconds) still spans the gaps between a decode step's regions, alone as fast as
-# before (benchmarks/contention.py). libgomp reads it when it loads, so it counts only where nextoken is imported
-# before torch; a value already set in the environment is kept.
+# of about half. 300 rounds (microseconds) still spans the gaps between the default formats' regions, which then
+# decode alone as fast as before (fp32 weights, with Python between torch's regions, about 7% slower: see
+# docs/design-cpu.md and benchmarks/contention.py). libgomp reads it when it loads, so it counts only where nextoken
+# is imported before torch; a value already set in the environment is kept.
 SPIN_ROUNDS = "300"
 os.environ.setdefault("GOMP_SPINCOUNT", SPIN_ROUNDS)
 
