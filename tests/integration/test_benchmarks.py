@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import nextoken
 from benchmarks import common, contention, latency, profile_decode, roofline, sampling, speculative, throughput
 from benchmarks.common import TransformersWorker
 from nextoken import LLM
@@ -49,7 +50,7 @@ def test_speculative_compares_both_engines(llm: LLM) -> None:
 
 
 def test_contention_decodes_alone_and_beside_another() -> None:
-    decoders = [contention.Decoder(REAL_MODELS[MODEL], spin, steps=4) for spin in ("300", "300")]
+    decoders = [contention.Decoder(REAL_MODELS[MODEL], nextoken.SPIN_ROUNDS, steps=4) for _ in range(2)]
     try:
         alone = contention.decode_together(decoders[:1])
         beside = contention.decode_together(decoders)

@@ -33,7 +33,7 @@ def run(code: str, **env: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def test_import_sets_the_spin_before_torch_and_keeps_the_users() -> None:
+def test_import_sets_the_spin_and_keeps_the_users() -> None:
     show = "import nextoken, os; print(os.environ['GOMP_SPINCOUNT'])"
     assert run(show) == nextoken.SPIN_ROUNDS
     assert run(show, GOMP_SPINCOUNT="12345") == "12345"
