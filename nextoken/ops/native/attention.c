@@ -120,8 +120,9 @@ static inline __m256 dots8(const float *q, const float *const *k, int64_t D) {
  * cache's blocks are scattered, and a cold context was read at a third of the memory's bandwidth without this.
  * Requested into L1 instead, a group's rows held the core's miss buffers and the pass took 20-30% longer (64
  * contexts of 192 tokens, 30 layers of SmolLM2's heads on 2 Zen 4 cores: 47-50 against 36-39 ms). */
-static inline __attribute__((always_inline)) void prefetch_tokens(const kv_store *s, const int64_t *at, int64_t from, int64_t to, int64_t count,
-                                   int64_t D, int64_t width) {
+static inline __attribute__((always_inline)) void prefetch_tokens(const kv_store *s, const int64_t *at, int64_t from,
+                                                                  int64_t to, int64_t count, int64_t D,
+                                                                  int64_t width) {
     const int64_t size = s->kind == NT_KV_F32 ? 4 : s->kind == NT_KV_BF16 ? 2 : 1;
     for (int64_t j = from; j < to && j < count; j++) {
         const char *p = (const char *)s->data + at[j] * D * size;
