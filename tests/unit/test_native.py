@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import subprocess
 import time
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from nextoken.engine.model_loader import load_model
 from nextoken.loader.gguf import read_gguf
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native, quant_linear
-from nextoken.ops.native.build import compiler
+from nextoken.ops.native.build import HERE, compiler
 from nextoken.ops.attention import AttentionMetadata
 from nextoken.ops.fused import FusedDecoder
 from nextoken.ops.quant_linear import (Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear,
@@ -139,9 +140,7 @@ def test_decode_attention_keeps_its_row_requests(lib: ctypes.CDLL) -> None:
     """Decode attention requests the next group's K/V rows while it computes one (prefetch_share): 2 request sites on
     the AVX2 route, 3 more on the AVX-512 one. Requests are no-ops to a compiler, which may delete them as dead code
     (gcc 12 did, for a helper it had not inlined): the kernel then ran at about 0.8x with every other test passing."""
-    import subprocess
-
-    source = Path(native.SOURCES[0]).parent / "attention.c"
+    source = HERE / "attention.c"
     for flags, sites in ((AVX2_FLAGS, 2), (native.FLAGS, 5 if lib.nt_has_vnni512() else 2)):
         cmd = [compiler(), *[f for f in flags if f != "-shared"], "-S", "-o", "-", str(source)]
         asm = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
