@@ -121,11 +121,14 @@ def _replicas(server: ServerProcess) -> list[dict[str, Any]]:
     return list(httpx.get(server.url + "/debug/engine", timeout=10).json()["replicas"])
 
 
-async def _stream(http: httpx.AsyncClient, server: ServerProcess, body: dict[str, Any]) -> tuple[str, str, Any]:
-    """(replica, text, error object or None) of one streamed completion."""
+async def _stream(http: httpx.AsyncClient, server: ServerProcess, body: dict[str, Any],
+                  started: asyncio.Event | None = None) -> tuple[str, str, Any]:
+    """(replica, text, error object or None) of one streamed completion; `started` is set once its response began."""
     text, error = [], None
     async with http.stream("POST", server.base_url + "/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
+        if started is not None:
+            started.set()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -197,9 +200,11 @@ def test_a_replica_killed_mid_load_fails_its_streams_clearly_and_is_replaced(ser
 
     async def run() -> list[tuple[str, str, Any]]:
         async with httpx.AsyncClient(timeout=60) as http:
-            tasks = [asyncio.ensure_future(_stream(http, server, {**body, "prompt": PROMPTS[i % 6]}))
+            started = [asyncio.Event() for _ in range(8)]
+            tasks = [asyncio.ensure_future(_stream(http, server, {**body, "prompt": PROMPTS[i % 6]}, started[i]))
                      for i in range(8)]
-            await asyncio.sleep(0.3)  # all admitted and streaming
+            async with asyncio.timeout(30):  # all admitted and streaming (a replica killed before a response
+                await asyncio.gather(*(event.wait() for event in started))  # began answers 503 instead)
             victim = sorted(pids)[0]
             os.kill(pids[victim], signal.SIGKILL)
             async with asyncio.timeout(30):  # never a hang
