@@ -1,10 +1,10 @@
 /* The GEMM over block weights on AMX-INT8 tiles, where the CPU has them (Sapphire Rapids and later Xeons): one
  * instruction multiplies a tile of 16 activation rows by a tile of 16 weight rows, 16 x 16 x 32 byte products, where
- * a 512-bit vpdpwssd does 32 int16 products. Its sums are exact, so the route keeps the VNNI GEMM's bits: int16
- * activation codes are 256 hi + lo, two planes of bytes (hi signed, lo unsigned) through tdpbssd and tdpbusd, their
- * int32 sums combined as 256 hi + lo, which is the int16 product's sum; int8 activation codes are one plane. Every
- * byte product is signed by the instruction itself (weights as signed bytes: Q4's codes 0..15 and int8 codes alike),
- * so no bias is taken out. From each scale group's int32 sums on, the float work is gemm_tile's operation for
+ * a 512-bit vpdpbusd does 64. Its sums are exact, so the route keeps the VNNI GEMM's bits: the exact route's codes
+ * (both levels, as int16) are 256 hi + lo, two planes of bytes (hi signed, lo unsigned) through tdpbssd and tdpbusd,
+ * their int32 sums combined as 256 hi + lo, which is the int16 product's sum; int8 activation codes are one plane.
+ * Every byte product is signed by the instruction itself (weights as signed bytes: Q4's codes 0..15 and int8 codes
+ * alike), so no bias is taken out. From each scale group's int32 sums on, the float work is gemm_tile's operation for
  * operation (a multiply-add by the product of the scales, Q4's offset one more, the outlier columns in order, then
  * the two levels added), so a row's numbers do not depend on the route (tests/unit/test_amx.py holds them to the
  * VNNI route bit for bit, on the tiles emulated by emulate_amx.h where the CPU has none).

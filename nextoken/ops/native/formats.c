@@ -1,5 +1,5 @@
-/* Block formats: activations as int16 codes per block of 32 (one or two levels), a weight row's blocks as fp32, a
- * file's Q8_0 and Q5_0 blocks unpacked into codes and scales, rows of a Q8 token table. */
+/* Block formats: activations as codes per block of 32 (int16, and int8 for a second level), a weight row's blocks as
+ * fp32, a file's Q8_0 and Q5_0 blocks unpacked into codes and scales, rows of a Q8 token table. */
 #include "internal.h"
 
 /* ------------------------------------------------- activation quantization */
@@ -25,10 +25,9 @@ static inline void pack_block(const __m256i c[4], int q4_order, __m256i *lo, __m
 }
 #endif
 
-/* x [K] -> int16 codes (in q4_position order where `q4_order`), per block: d = absmax / 32767, s = d * sum(codes).
- * Rounding error under 2e-5 of the block's largest value: below fp32 matmul's own noise at these sizes, far below
- * bf16's. Codes round to nearest, ties to even, in both paths. */
-void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order) {
+/* x [K] -> int16 codes in -levels..levels (in q4_position order where `q4_order`), per block: d = absmax / levels,
+ * s = d * sum(codes). Codes round to nearest, ties to even, in both paths. */
+void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order, float levels) {
     const int64_t groups = K / QK;
 #ifdef NT_AVX2
     __m256i prev_lo = _mm256_setzero_si256(), prev_hi = prev_lo; /* the first block of a pair, until its second */
@@ -43,7 +42,7 @@ void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, i
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         const float max = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-        const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+        const float db = max / levels, inv = max > 0 ? levels / max : 0.0f;
         __m256i c[4], total = _mm256_setzero_si256();
         for (int i = 0; i < 4; i++) {
             c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv))); /* nearest, ties to even */
@@ -76,7 +75,7 @@ void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, i
         const float *xb = x + b * QK;
         float max = 0.0f;
         for (int i = 0; i < QK; i++) max = fabsf(xb[i]) > max ? fabsf(xb[i]) : max;
-        const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+        const float db = max / levels, inv = max > 0 ? levels / max : 0.0f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
             const int16_t code = (int16_t)nearbyintf(xb[i] * inv);
@@ -89,6 +88,7 @@ void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, i
 #endif
 }
 
+/* split_levels' rows x [M, K] (M even) as rows of int16 codes, each level in its range (level_codes). */
 int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_order, quantized_rows *out) {
     const int64_t groups = K / QK;
     out->block = malloc((size_t)(M * K * 2 + 2 * M * groups * (int64_t)sizeof(float)) + 64);
@@ -97,17 +97,21 @@ int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_orde
     out->s = out->d + M * groups;
     out->q = (int16_t *)(out->s + M * groups);
     for (int64_t r = 0; r < M; r++)
-        quantize_row16(x + r * ldx, K, out->q + r * K, out->d + r * groups, out->s + r * groups, q4_order);
+        quantize_row16(x + r * ldx, K, out->q + r * K, out->d + r * groups, out->s + r * groups, q4_order,
+                       level_codes(r));
     return 0;
 }
 
-/* The block products take each activation row in two levels of int16 codes per block of 32, x = d1 q1 + d2 q2: the
- * codes of the row itself (quantize_row16's, d1 = absmax / 32767), then those of what they leave, x - d1 q1 (at most
- * d1 / 2). In one level a block holding one large value leaves its small values few significant bits: every value
- * is off by up to 1 / 65534 of the block's largest, which moved SmolLM2's teacher-forced log-probabilities by 3.5e-3
- * and Gemma 3's by 1.6e-3 against fp32 activations. Two levels keep each value within 2^-31 of its block's largest
- * (with the remainder's own fp32 rounding, 2^-24 of the value): an fp32 matmul's precision. The kernels take the
- * levels as two rows of codes each and sum each pair's products into one output.
+/* The block products take each activation row in two levels of codes per block of 32, x = d1 q1 + d2 q2: the int16
+ * codes of the row itself (quantize_row16's, d1 = absmax / 32767), then int8 codes of what they leave, x - d1 q1 (at
+ * most d1 / 2, so d2 <= d1 / 254). In one level a block holding one large value leaves its small values few
+ * significant bits: every value is off by up to 1 / 65534 of the block's largest, which moved SmolLM2's
+ * teacher-forced log-probabilities by 3.5e-3 and Gemma 3's by 1.6e-3 against fp32 activations. Two levels keep each
+ * value within d2 / 2 <= 2^-24 of its block's largest (with the remainder's own fp32 rounding): an fp32 matmul's
+ * precision. The second level's codes are int8 because the AVX-512 kernels take it as one plane of bytes where int16
+ * codes are two (256 hi + lo): three byte multiply-adds per four values of a row instead of four (int16 codes in
+ * both levels kept each value within 2^-31, past fp32's own rounding). The kernels take the levels as two rows of
+ * codes each and sum each pair's products into one output.
  * rows [2M, K]: row 2r is x's row r, row 2r + 1 its remainder after the first level (quantize_row16's rounding: the
  * same products and the same rounding to nearest, ties to even). */
 void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows) {
@@ -118,7 +122,7 @@ void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows
         for (int64_t b = 0; b < K; b += QK) {
             float max = 0.0f;
             for (int i = 0; i < QK; i++) max = fabsf(xr[b + i]) > max ? fabsf(xr[b + i]) : max;
-            const float db = max / 32767.0f, inv = max > 0 ? 32767.0f / max : 0.0f;
+            const float db = max / LEVEL1_CODES, inv = max > 0 ? LEVEL1_CODES / max : 0.0f;
             for (int i = 0; i < QK; i++) rest[b + i] = xr[b + i] - nearbyintf(xr[b + i] * inv) * db;
         }
     }

@@ -1,32 +1,33 @@
-/* The GEMM over block weights for batches bound by compute: with AVX-512 VNNI the weights' codes widened to int16
- * against the activations' int16 (or int8) codes, elsewhere the fp32 GEMM over panels dequantized per thread. */
+/* The GEMM over block weights for batches bound by compute: with AVX-512 VNNI the weights' codes as bytes against
+ * the activations' codes as bytes, elsewhere the fp32 GEMM over panels dequantized per thread. */
 #include "internal.h"
 
 #ifdef NT_VNNI512
-/* ------------------------------------------- int16 GEMM over block weights, AVX-512 VNNI */
+/* ------------------------------------------- byte GEMM over block weights, AVX-512 VNNI */
 
-/* Products of many rows bound by compute, with the block kernels' precision at twice the fp32 GEMM's rate: the
- * activations' int16 codes per 32 values (quantize_row16) meet the weights' exact integer codes widened to int16 in
- * vpdpwssd, 32 products a vector where an fp32 FMA does 16; each scale group's int32 sums take one float multiply-
- * add by the product of the two scales (and Q4's offset one more). The weights are widened per thread, 32 rows at a
- * time, into two panels of [K / 2][16 rows][2] int16 (a 32-bit lane holds a pair of codes of one row, in the order
- * of ig_pair_order), with their scales as [groups][16]: every row tile of x then runs over them. The widening is a
- * 16 x 16 transpose of 32-bit lanes of the codes as stored, then shifts and masks (Gemma 3's head, one row: 15.7 ->
- * 13.3 ms; Q4 8192 x 640: 0.32 -> 0.23 ms; than transposing the codes once widened). */
+/* Products of many rows bound by compute, with the block kernels' precision: the weights' exact integer codes meet
+ * the activations' codes as bytes in vpdpbusd, 64 products a vector where an fp32 FMA does 16; each scale group's
+ * int32 sums take one float multiply-add by the product of the two scales (and Q4's offset one more). The exact
+ * route's codes (split_levels) are three planes of bytes a row: its first level's int16 codes as 256 hi + lo (lo
+ * unsigned, hi signed) and its second level's int8 codes, so 4 codes of a row against 16 weight rows take three
+ * multiply-adds (two levels of int16 codes in vpdpwssd, the weights widened to int16 pairs, took four; see
+ * exact_tile); int8 activation codes (`--activations int8`) are one plane. The weights are laid out per thread, 32
+ * rows at a time, into two panels of [K / 4][16 rows][4] bytes (a 32-bit lane holds 4 neighbouring codes of one
+ * row, in their natural order), with their scales as [groups][16]: every row tile of x then runs over them. The
+ * layout is a 16 x 16 transpose of 32-bit lanes of the codes as stored, Q4's nibbles then masked apart. */
 
-#define IG_ROWS 6 /* activation rows of a tile: 12 int32 and 12 float accumulators, two weight vectors */
+#define IG_ROWS 6 /* int8 codes: activation rows of a tile, 12 int32 and 12 float accumulators, two weight vectors */
 /* With it, projections keep no fp32 panels (quant_linear.py): it is faster than the fp32 GEMM over them for every
- * batch past the block kernels.
- * widening the weights, 16 x 16 int32 transposes of the unpacked codes, costs less than the products it saves from
- * 12 rows (SmolLM2's 30 layers' projections, ms, block kernels / fp32 panels / int16: 12 rows 18.4 / 15.8 / 13.2,
- * 32 rows 43.9 / 37.9 / 25.1, 128 rows 168.5 / 142.9 / 83.4, 512 rows 819 / 555 / 337). The LM head has no
- * panels: its blocks take it from 16 rows (ms: 16 rows 5.6 vs 8.1 for the fp32 GEMM over dequantized rows, 64 rows
- * 12.8 vs 20.2).
- * Byte activations (absmax / 127 per 32, vpdpbusd on the head's own int8 codes, 64 products a vector) ran Gemma 3's
- * head at 64 rows in 53 against 77 ms, but even with each row's 32 best logits recomputed exactly they moved
- * teacher-forced top-5 log-probabilities by up to 0.07 (KL 5e-4): the error of the many near-best tokens shifts the
- * normalizer. So the head keeps int16 unless int8 activations are asked for (nt_block_gemm8, its outlier columns
- * in fp32: the head's logits 3 times closer, Gemma 3's mean error 0.049 -> 0.016, at 64 rows 62 against 83 ms). */
+ * batch past the block kernels. With int16 codes in both levels, on panels widened to int16, it already cost less
+ * than the products it saves from 12 rows (SmolLM2's 30 layers' projections, ms, block kernels / fp32 panels /
+ * int16: 12 rows 18.4 / 15.8 / 13.2, 32 rows 43.9 / 37.9 / 25.1, 128 rows 168.5 / 142.9 / 83.4, 512 rows 819 / 555
+ * / 337). The LM head has no panels: its blocks take it from 16 rows (ms: 16 rows 5.6 vs 8.1 for the fp32 GEMM over
+ * dequantized rows, 64 rows 12.8 vs 20.2).
+ * Byte activations alone (absmax / 127 per 32, vpdpbusd on the head's own int8 codes) ran Gemma 3's head at 64 rows
+ * in 53 against 77 ms, but even with each row's 32 best logits recomputed exactly they moved teacher-forced top-5
+ * log-probabilities by up to 0.07 (KL 5e-4): the error of the many near-best tokens shifts the normalizer. So the
+ * head keeps the exact codes unless int8 activations are asked for (nt_block_gemm8, its outlier columns in fp32: the
+ * head's logits 3 times closer, Gemma 3's mean error 0.049 -> 0.016, at 64 rows 62 against 83 ms). */
 
 /* Batches under this many rows widen with the next panel's rows requested ahead: a panel's loads, 16 rows apart,
  * each wait on memory, as the hardware prefetchers do not follow them (Gemma 3's 262k-row head at 64 rows: 89 ->
@@ -58,19 +59,6 @@ static inline void transpose16_epi32(__m512i r[16]) {
         t[12 + j] = _mm512_shuffle_i32x4(ab13, cd13, 0xDD);
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
-/* The order of activation codes that matches the pairs the weights widen into (gemm_widen), per 32 codes. A 32-bit
- * lane of a byte transpose holds four neighbouring bytes of a row, and 16-bit shifts and masks of it give pairs of
- * every other one as int16: int8 codes 4q..4q + 3 give the pairs (4q, 4q + 2), (4q + 1, 4q + 3); Q4 bytes
- * 4j..4j + 3 of a block hold codes 4j.. (low nibbles) and 4j + 16.. (high), so a block's pairs are (4j, 4j + 2),
- * (4j + 1, 4j + 3), (4j + 16, 4j + 18), (4j + 17, 4j + 19) for j = 0..3. Rows of K codes, K a multiple of 32. */
-static __m512i ig_pair_order(int kind) {
-    int16_t at[32];
-    for (int i = 0; i < 32; i++)
-        at[i] = (int16_t)(IS_Q4(kind) ? 4 * (i / 8) + (i / 2) % 2 + 16 * ((i / 4) % 2) + 2 * (i % 2)
-                                    : 4 * (i / 4) + (i / 2) % 2 + 2 * (i % 2)); /* code of pair i / 2, item i % 2 */
-    return _mm512_loadu_si512(at); /* for vpermw: slot i takes code at[i] */
 }
 
 /* Activation columns that byte codes would flatten: where one column of x runs far above the others (RMSNorm
@@ -144,11 +132,10 @@ static void quantize_row8(const float *x, int64_t K, int8_t *q, float *d, float 
     }
 }
 
-/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p. Both routes transpose 16 rows' bytes
- * as stored, 4 to a 32-bit lane: int8 codes 4q..4q + 3 in lane q, a Q4 group's low nibbles 4j..4j + 3 and high
- * ones 4j + 16.. in lane j. int16 panels (`bytes` 0) widen those by shifts and masks into the pairs of
- * ig_pair_order; byte panels keep them, in natural order, with each scale group's bias. */
-static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const void *m, int64_t n0, int64_t N,
+/* Weight rows n0..n0 + 31 (those from N on as zeros) of a block weight into p: 16 rows' bytes as stored transposed,
+ * 4 to a 32-bit lane: int8 codes 4q..4q + 3 in lane q, a Q4 group's low nibbles 4j..4j + 3 and high ones 4j + 16..
+ * in lane j, kept in natural order, with each scale group's bias (int8 codes). */
+static void gemm_widen(int kind, const void *qs, const void *d, const void *m, int64_t n0, int64_t N,
                        int64_t K, const gemm_panels *p, int prefetch, const int32_t *outliers, int64_t nout) {
     const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups, per = kind == NT_Q8_HALVES ? 4 : 8;
     if (prefetch) { /* the next panel's rows into L2 */
@@ -156,7 +143,7 @@ static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const
         const int64_t end = (n0 + 64 < N ? n0 + 64 : N) * row_bytes;
         for (int64_t b = (n0 + 32) * row_bytes; b < end; b += 64) _mm_prefetch((const char *)qs + b, _MM_HINT_T1);
     }
-    const __m512i nibble = _mm512_set1_epi8(0x0F), low = _mm512_set1_epi16(0x00FF), ones = _mm512_set1_epi8(1);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
     for (int h = 0; h < 2; h++) {
         __m512i *vecs = (__m512i *)p->codes[h];
         if (!IS_Q4(kind)) { /* int8 codes, 64 per row at a time (or one last group of 32) */
@@ -171,11 +158,6 @@ static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const
                 }
                 transpose16_epi32(r); /* r[q]: codes 4q..4q + 3 of each row */
                 for (int q = 0; q < (full ? 16 : 8); q++) {
-                    if (!bytes) {
-                        _mm512_storeu_si512(vecs + c / 2 + 2 * q, _mm512_srai_epi16(_mm512_slli_epi16(r[q], 8), 8));
-                        _mm512_storeu_si512(vecs + c / 2 + 2 * q + 1, _mm512_srai_epi16(r[q], 8));
-                        continue;
-                    }
                     const int64_t v = c / 4 + q;
                     _mm512_storeu_si512(vecs + v, r[q]);
                     /* the sum of each lane's 4 codes: ones (unsigned) times the codes (signed) */
@@ -199,17 +181,9 @@ static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const
                 for (int u = 0; u < 4 * have; u++) {
                     const __m512i lo = _mm512_and_si512(r[u], nibble); /* codes 4j..4j + 3 */
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(r[u], 4), nibble); /* 4j + 16.. */
-                    if (bytes) {
-                        __m512i *dst = vecs + (g0 + u / 4) * 8 + u % 4;
-                        _mm512_storeu_si512(dst, lo);
-                        _mm512_storeu_si512(dst + 4, hi);
-                    } else {
-                        __m512i *dst = vecs + g0 * 16 + 4 * u;
-                        _mm512_storeu_si512(dst, _mm512_and_si512(lo, low));
-                        _mm512_storeu_si512(dst + 1, _mm512_srli_epi16(lo, 8));
-                        _mm512_storeu_si512(dst + 2, _mm512_and_si512(hi, low));
-                        _mm512_storeu_si512(dst + 3, _mm512_srli_epi16(hi, 8));
-                    }
+                    __m512i *dst = vecs + (g0 + u / 4) * 8 + u % 4;
+                    _mm512_storeu_si512(dst, lo);
+                    _mm512_storeu_si512(dst + 4, hi);
                 }
             }
         }
@@ -245,30 +219,28 @@ static void gemm_widen(int kind, int bytes, const void *qs, const void *d, const
     }
 }
 
-/* out rows r0..r0 + T - 1 (int16 codes: rows r0 / 2..(r0 + T) / 2 - 1, each from two rows of codes, its levels),
- * columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (activation codes `codes`, [M, K], int16 or bytes, with
- * their scales xd and Q4 sums xs per group) by the panels. Either way a step takes 4
- * bytes of each row's codes against a 64-byte vector of each panel: a pair of int16 codes in vpdpwssd, or 4 byte
- * codes in vpdpbusd (Q4's codes the unsigned side; int8 codes against the activations plus 128, from the bias). */
-static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes, const int T, const void *codes,
+/* out rows r0..r0 + T - 1, columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (int8 activation codes `codes`,
+ * [M, K], with their scales xd and Q4 sums xs per group) by the panels: a step takes 4 bytes of each row's codes
+ * against a 64-byte vector of each panel in vpdpbusd (Q4's codes the unsigned side; int8 codes against the
+ * activations plus 128, from the bias), then the outlier columns' products in fp32. */
+static inline __attribute__((always_inline)) void gemm_tile(int kind, const int T, const int8_t *codes,
                                                             const float *xd, const float *xs, int64_t r0, int64_t K,
                                                             const gemm_panels *p, float *out, int64_t ldo,
                                                             int64_t n0, int64_t cols, const float *xo,
                                                             int64_t nout) {
     const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups;
-    const int64_t row_bytes = bytes ? K : 2 * K, steps = (kind == NT_Q8_HALVES ? 16 : 32) / (bytes ? 4 : 2); /* per group */
+    const int64_t steps = (kind == NT_Q8_HALVES ? 16 : 32) / 4; /* per scale group */
     __m512 f[IG_ROWS][2];
     for (int t = 0; t < T; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sg; s++) {
         const int64_t g = kind == NT_Q8_HALVES ? s / 2 : s; /* the activations' scale group */
         __m512i a[IG_ROWS][2];
-        const int biased = bytes && !IS_Q4(kind);
-        const __m512i b0 = biased ? _mm512_loadu_si512(p->bias[0] + s * 16) : _mm512_setzero_si512();
-        const __m512i b1 = biased ? _mm512_loadu_si512(p->bias[1] + s * 16) : _mm512_setzero_si512();
+        const __m512i b0 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[0] + s * 16);
+        const __m512i b1 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[1] + s * 16);
         for (int t = 0; t < T; t++) a[t][0] = b0, a[t][1] = b1;
         const uint8_t *w0 = (const uint8_t *)p->codes[0] + s * steps * 64;
         const uint8_t *w1 = (const uint8_t *)p->codes[1] + s * steps * 64;
-        const uint8_t *xr = (const uint8_t *)codes + r0 * row_bytes + s * steps * 4;
+        const uint8_t *xr = (const uint8_t *)codes + r0 * K + s * steps * 4;
         /* Unrolled, the accumulators stay in their registers (otherwise copied each pass: 3-6% of a model's
          * projections at 64 and 512 rows). */
 #pragma GCC unroll 16
@@ -276,12 +248,9 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
             const __m512i v0 = _mm512_loadu_si512(w0 + k * 64), v1 = _mm512_loadu_si512(w1 + k * 64);
             for (int t = 0; t < T; t++) {
                 int32_t four;
-                memcpy(&four, xr + t * row_bytes + 4 * k, 4);
+                memcpy(&four, xr + t * K + 4 * k, 4);
                 const __m512i x4 = _mm512_set1_epi32(four);
-                if (!bytes) {
-                    a[t][0] = _mm512_dpwssd_epi32(a[t][0], v0, x4);
-                    a[t][1] = _mm512_dpwssd_epi32(a[t][1], v1, x4);
-                } else if (IS_Q4(kind)) {
+                if (IS_Q4(kind)) {
                     a[t][0] = _mm512_dpbusd_epi32(a[t][0], v0, x4);
                     a[t][1] = _mm512_dpbusd_epi32(a[t][1], v1, x4);
                 } else {
@@ -300,32 +269,115 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, int bytes,
             f[t][1] = scale_group(f[t][1], a[t][1], d1, dx, IS_Q4(kind), m1, sx);
         }
     }
-    tile_out(bytes, T, f, p, xo, nout, r0, out, ldo, n0, cols);
+    tile_out(1, T, f, p, xo, nout, r0, out, ldo, n0, cols);
 }
 
+/* The exact route's tile: out rows a0..a0 + A - 1, activation rows whose levels are rows of codes 2a (first) and
+ * 2a + 1 (second), columns n0..n0 + cols - 1 (cols <= 32), from planes [lo | hi][M rows of codes][K]: a first
+ * level's lo and hi bytes, a second level's int8 codes in the lo plane (against int8 weights, hi and the int8 codes
+ * plus 128, the bias taking 128 times the weights' sum out). A step takes 4 codes of each of a row's three planes
+ * against a 64-byte vector of each panel in vpdpbusd: lo the unsigned side against either kind of weight code, Q4's
+ * codes (0..15) the unsigned side against hi and the second level. The first level's sums are 256 hi + lo, its
+ * int16 codes' sums; each level's then scaled as gemm_tile scales a row of codes and the two added (tile_out): the
+ * operations of block_few and amx_rows, so the same bits. Per 4 codes of a row and 16 weight rows, three
+ * multiply-adds where two levels of int16 codes took four. */
+#define EXACT_ROWS 2 /* activation rows of a tile: 12 int32 accumulators (3 planes x 2 panels) and 8 float ones */
+static inline __attribute__((always_inline)) void exact_tile(int kind, const int A, const uint8_t *planes,
+                                                             const float *xd, const float *xs, int64_t a0, int64_t M,
+                                                             int64_t K, const gemm_panels *p, float *out, int64_t ldo,
+                                                             int64_t n0, int64_t cols) {
+    const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
+    const int64_t steps = (halves ? 16 : 32) / 4; /* per scale group */
+    const uint8_t *hi = planes + M * K;
+    __m512 f[2 * EXACT_ROWS][2];
+    for (int t = 0; t < 2 * A; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < sg; s++) {
+        const int64_t g = halves ? s / 2 : s;
+        const __m512i b0 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[0] + s * 16);
+        const __m512i b1 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[1] + s * 16);
+        __m512i l[EXACT_ROWS][2], h[EXACT_ROWS][2], c[EXACT_ROWS][2]; /* lo, hi, second level; by panel */
+        for (int i = 0; i < A; i++) {
+            l[i][0] = l[i][1] = _mm512_setzero_si512();
+            h[i][0] = c[i][0] = b0, h[i][1] = c[i][1] = b1;
+        }
+        const uint8_t *w0 = (const uint8_t *)p->codes[0] + s * steps * 64;
+        const uint8_t *w1 = (const uint8_t *)p->codes[1] + s * steps * 64;
+#pragma GCC unroll 8
+        for (int64_t k = 0; k < steps; k++) {
+            const __m512i v0 = _mm512_loadu_si512(w0 + k * 64), v1 = _mm512_loadu_si512(w1 + k * 64);
+            for (int i = 0; i < A; i++) {
+                const int64_t at = 2 * (a0 + i) * K + s * steps * 4 + 4 * k;
+                int32_t lo4, hi4, c4;
+                memcpy(&lo4, planes + at, 4);
+                memcpy(&hi4, hi + at, 4);
+                memcpy(&c4, planes + at + K, 4);
+                const __m512i xl = _mm512_set1_epi32(lo4), xh = _mm512_set1_epi32(hi4), xc = _mm512_set1_epi32(c4);
+                l[i][0] = _mm512_dpbusd_epi32(l[i][0], xl, v0);
+                l[i][1] = _mm512_dpbusd_epi32(l[i][1], xl, v1);
+                if (IS_Q4(kind)) {
+                    h[i][0] = _mm512_dpbusd_epi32(h[i][0], v0, xh);
+                    h[i][1] = _mm512_dpbusd_epi32(h[i][1], v1, xh);
+                    c[i][0] = _mm512_dpbusd_epi32(c[i][0], v0, xc);
+                    c[i][1] = _mm512_dpbusd_epi32(c[i][1], v1, xc);
+                } else {
+                    h[i][0] = _mm512_dpbusd_epi32(h[i][0], xh, v0);
+                    h[i][1] = _mm512_dpbusd_epi32(h[i][1], xh, v1);
+                    c[i][0] = _mm512_dpbusd_epi32(c[i][0], xc, v0);
+                    c[i][1] = _mm512_dpbusd_epi32(c[i][1], xc, v1);
+                }
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
+        const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
+        const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
+        for (int i = 0; i < A; i++) {
+            const int64_t r = 2 * (a0 + i);
+            const __m512 dx = _mm512_set1_ps(xd[r * groups + g]), dx2 = _mm512_set1_ps(xd[(r + 1) * groups + g]);
+            const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[r * groups + g]) : _mm512_setzero_ps();
+            const __m512 sx2 = IS_Q4(kind) ? _mm512_set1_ps(xs[(r + 1) * groups + g]) : _mm512_setzero_ps();
+            const __m512i s0 = _mm512_add_epi32(l[i][0], _mm512_slli_epi32(h[i][0], 8));
+            const __m512i s1 = _mm512_add_epi32(l[i][1], _mm512_slli_epi32(h[i][1], 8));
+            f[2 * i][0] = scale_group(f[2 * i][0], s0, d0, dx, IS_Q4(kind), m0, sx);
+            f[2 * i][1] = scale_group(f[2 * i][1], s1, d1, dx, IS_Q4(kind), m1, sx);
+            f[2 * i + 1][0] = scale_group(f[2 * i + 1][0], c[i][0], d0, dx2, IS_Q4(kind), m0, sx2);
+            f[2 * i + 1][1] = scale_group(f[2 * i + 1][1], c[i][1], d1, dx2, IS_Q4(kind), m1, sx2);
+        }
+    }
+    tile_out(0, 2 * A, f, p, NULL, 0, 2 * a0, out, ldo, n0, cols);
+}
+
+/* Rows of codes [0, M) (bytes: int8 codes [M][K]; else the exact route's planes, M even) by the panels. */
 static inline __attribute__((always_inline)) void gemm_rows(int kind, int bytes, const void *codes, const float *xd,
                                                             const float *xs, int64_t M, int64_t K,
                                                             const gemm_panels *p, float *out, int64_t ldo,
                                                             int64_t n0, int64_t cols, const float *xo,
                                                             int64_t nout) {
+    if (!bytes) {
+        int64_t a0 = 0;
+        for (; a0 + EXACT_ROWS <= M / 2; a0 += EXACT_ROWS)
+            exact_tile(kind, EXACT_ROWS, codes, xd, xs, a0, M, K, p, out, ldo, n0, cols);
+        if (a0 < M / 2) exact_tile(kind, 1, codes, xd, xs, a0, M, K, p, out, ldo, n0, cols); /* EXACT_ROWS 2 */
+        return;
+    }
     int64_t r0 = 0;
     for (; r0 + IG_ROWS <= M; r0 += IG_ROWS)
-        gemm_tile(kind, bytes, IG_ROWS, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout);
-    switch (M - r0) { /* int16 codes: M is even, so is what is left */
-    case 1: if (bytes) gemm_tile(kind, 1, 1, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
-    case 2: gemm_tile(kind, bytes, 2, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
-    case 3: if (bytes) gemm_tile(kind, 1, 3, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
-    case 4: gemm_tile(kind, bytes, 4, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
-    case 5: if (bytes) gemm_tile(kind, 1, 5, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+        gemm_tile(kind, IG_ROWS, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout);
+    switch (M - r0) {
+    case 1: gemm_tile(kind, 1, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    case 2: gemm_tile(kind, 2, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    case 3: gemm_tile(kind, 3, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    case 4: gemm_tile(kind, 4, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
+    case 5: gemm_tile(kind, 5, codes, xd, xs, r0, K, p, out, ldo, n0, cols, xo, nout); break;
     default: break;
     }
 }
 
-/* block_gemm_codes (below) over M rows of x as they are (int16: M rows of codes, both levels of M / 2 rows of out). */
+/* block_gemm_codes (below) over M rows of x as they are (the exact route: M rows of codes, both levels of M / 2 rows
+ * of out). */
 static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
                            const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
                            const int32_t *fixed, int64_t fixed_n) {
-    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups, width = bytes ? 1 : 2;
+    const int64_t groups = K / QK, sg = kind == NT_Q8_HALVES ? 2 * groups : groups;
     int32_t outliers[OUTLIER_MAX];
     int64_t nout = 0;
     const int chosen = bytes && fixed_n < 0; /* the outlier columns chosen over these rows, else fixed ones */
@@ -335,7 +387,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
 #else
     const int amx = 0;
 #endif
-    const int64_t code_bytes = M * K * (amx && !bytes ? 2 * width : width); /* AMX: int16 codes, then their planes */
+    const int64_t code_bytes = M * K * (bytes ? 1 : 4); /* the exact route: int16 codes, then their planes */
     void *rows = malloc((size_t)(code_bytes + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
                                  groups * (int64_t)sizeof(uint32_t) +
                                  (bytes ? (team + 2) * K * (int64_t)sizeof(float) : 0)) + 64);
@@ -344,7 +396,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     uint32_t *skip = (uint32_t *)(xo + M * OUTLIER_MAX); /* per group, the outlier columns' bits */
     float *colmax = (float *)(skip + groups); /* bytes: [team + 2][K], each thread's maxima, then all's */
     void *codes = bytes ? (void *)(colmax + (team + 2) * K) : (void *)colmax;
-    uint8_t *planes = amx && !bytes ? (uint8_t *)codes + M * K * width : (uint8_t *)codes; /* [lo | hi][M][K] */
+    uint8_t *planes = bytes ? (uint8_t *)codes : (uint8_t *)codes + M * K * 2; /* [lo | hi][M][K] */
     memset(skip, 0, (size_t)groups * sizeof(uint32_t));
     if (bytes && !chosen) {
         nout = fixed_n;
@@ -353,7 +405,8 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
             skip[fixed[j] / QK] |= 1u << (fixed[j] % QK);
         }
     }
-    const __m512i order = bytes ? _mm512_setzero_si512() : ig_pair_order(kind);
+    /* Off AMX, int8 weights meet the signed planes plus 128 (the panels' bias takes it out again) */
+    const __m256i flip = _mm256_set1_epi8(!amx && !IS_Q4(kind) ? (char)0x80 : 0);
 #pragma omp parallel num_threads(threads) if (team > 1)
     {
         if (chosen) { /* the columns' largest magnitudes, each thread over the rows it then quantizes (static) */
@@ -385,18 +438,17 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
                 continue;
             }
             int16_t *q = (int16_t *)codes + r * K;
-            quantize_row16(x + r * ldx, K, q, xd + r * groups, xs + r * groups, 0);
-            if (amx) { /* code = 256 hi + lo: lo unsigned, hi signed */
-                for (int64_t i = 0; i < K; i += 32) {
-                    const __m512i v = _mm512_loadu_si512(q + i);
-                    _mm256_storeu_si256((__m256i *)(planes + r * K + i), _mm512_cvtepi16_epi8(v));
-                    _mm256_storeu_si256((__m256i *)(planes + (M + r) * K + i),
-                                        _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-                }
-                continue;
+            quantize_row16(x + r * ldx, K, q, xd + r * groups, xs + r * groups, 0, level_codes(r));
+            /* code = 256 hi + lo: lo unsigned, hi signed. A second level's codes are int8: its lo plane holds them
+             * (AMX takes it as int16 codes, lo and hi, the hi plane the sign) */
+            const int second = r & 1;
+            for (int64_t i = 0; i < K; i += 32) {
+                const __m512i v = _mm512_loadu_si512(q + i);
+                const __m256i lo = _mm512_cvtepi16_epi8(v), hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
+                _mm256_storeu_si256((__m256i *)(planes + r * K + i), second ? _mm256_xor_si256(lo, flip) : lo);
+                if (!second || amx) _mm256_storeu_si256((__m256i *)(planes + (M + r) * K + i),
+                                                        amx ? hi : _mm256_xor_si256(hi, flip));
             }
-            for (int64_t i = 0; i < K; i += 32)
-                _mm512_storeu_si512(q + i, _mm512_permutexvar_epi16(order, _mm512_loadu_si512(q + i)));
         }
     }
     const int64_t pairs_of_panels = (N + 31) / 32;
@@ -404,11 +456,11 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
 #pragma omp parallel num_threads(threads) if (threads > 1 && pairs_of_panels > 1)
     {
         gemm_panels p;
-        void *block = malloc((size_t)(2 * 16 * K * width + (3 * 2 * sg + 2 * OUTLIER_MAX) * 16 * 4) + 64);
+        void *block = malloc((size_t)(2 * 16 * K + (3 * 2 * sg + 2 * OUTLIER_MAX) * 16 * 4) + 64);
         if (!block) failed = 1;
         else {
-            p.codes[0] = block, p.codes[1] = (uint8_t *)block + 16 * K * width;
-            p.scale[0] = (float *)((uint8_t *)p.codes[1] + 16 * K * width), p.scale[1] = p.scale[0] + sg * 16;
+            p.codes[0] = block, p.codes[1] = (uint8_t *)block + 16 * K;
+            p.scale[0] = (float *)((uint8_t *)p.codes[1] + 16 * K), p.scale[1] = p.scale[0] + sg * 16;
             p.offset[0] = p.scale[1] + sg * 16, p.offset[1] = p.offset[0] + sg * 16;
             p.bias[0] = (int32_t *)(p.offset[1] + sg * 16), p.bias[1] = p.bias[0] + sg * 16;
             p.outlier[0] = (float *)(p.bias[1] + sg * 16), p.outlier[1] = p.outlier[0] + OUTLIER_MAX * 16;
@@ -417,7 +469,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
         for (int64_t c = 0; c < pairs_of_panels; c++) {
             if (!block) continue;
             const int64_t n0 = c * 32, cols = N - n0 < 32 ? N - n0 : 32;
-            gemm_widen(kind, bytes || amx, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, outliers, nout);
+            gemm_widen(kind, qs, d, m, n0, N, K, &p, M < IG_PREFETCH_ROWS, outliers, nout);
 #ifdef NT_AMX
             if (amx) {
                 amx_rows(kind, bytes, planes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);
@@ -425,10 +477,10 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
             }
 #endif
 #define NT_GEMM_ROWS(B)                                                                                              \
-    if (kind == NT_Q4) gemm_rows(NT_Q4, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);                   \
-    else if (kind == NT_Q4_F32) gemm_rows(NT_Q4_F32, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);      \
-    else if (kind == NT_Q8) gemm_rows(NT_Q8, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);              \
-    else gemm_rows(NT_Q8_HALVES, B, codes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);
+    if (kind == NT_Q4) gemm_rows(NT_Q4, B, planes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);                   \
+    else if (kind == NT_Q4_F32) gemm_rows(NT_Q4_F32, B, planes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);      \
+    else if (kind == NT_Q8) gemm_rows(NT_Q8, B, planes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);              \
+    else gemm_rows(NT_Q8_HALVES, B, planes, xd, xs, M, K, &p, out, ldo, n0, cols, xo, nout);
             if (bytes) { NT_GEMM_ROWS(1) } else { NT_GEMM_ROWS(0) }
 #undef NT_GEMM_ROWS
         }
@@ -445,15 +497,15 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
  * row, by their instructions per row. Here the weights are read as stored, 16 rows at a time: each 64 bytes of the
  * 16 rows, transposed 4 bytes to a 32-bit lane (as gemm_widen does, but in registers, once for all the rows of
  * codes), give vectors of 4 neighbouring codes of 16 rows, and every row of activation codes meets them in vpdpbusd
- * with its 4 matching codes broadcast. int16 codes (the exact route's two levels, split_levels) are 256 hi + lo
+ * with its 4 matching codes broadcast. The exact route's first level of codes (int16, split_levels) is 256 hi + lo
  * (lo unsigned, hi signed), two planes of bytes: Q4's codes (0..15) are signed bytes against lo and unsigned ones
- * against hi; int8 weight codes meet lo, and hi + 128 (unsigned) with 128 times their sum taken out again. int8
- * activation codes (`bytes`, with their outlier columns fixed) are one plane: Q4's codes unsigned against them, int8
- * weight codes against them plus 128, as gemm_tile takes them. Either way each scale group's int32 sum is exactly
- * the GEMM's, and from there the float work is gemm_tile's, operation for operation (per scale group one multiply-add
- * by the product of the scales, Q4's offset one more, then the outlier columns in order), so every output has the
- * GEMM's bits whatever the rows beside it, and a row's numbers do not change with its batch or with the route its
- * batch size takes. */
+ * against hi; int8 weight codes meet lo, and hi + 128 (unsigned) with 128 times their sum taken out again. Its
+ * second level (int8 codes) and int8 activation codes (`bytes`, with their outlier columns fixed) are one plane:
+ * Q4's codes unsigned against them, int8 weight codes against them plus 128, as gemm_tile takes them. Either way
+ * each scale group's int32 sum is exactly the GEMM's, and from there the float work is gemm_tile's, operation for
+ * operation (per scale group one multiply-add by the product of the scales, Q4's offset one more, then the outlier
+ * columns in order), so every output has the GEMM's bits whatever the rows beside it, and a row's numbers do not
+ * change with its batch or with the route its batch size takes. */
 #define FEW_PASS 4 /* activation rows per pass over 16 weight rows (up to 8 rows of codes: accumulators in registers) */
 #define ROWS8_MAX 16 /* activation rows up to which nt_block_gemm8 takes it */
 
@@ -504,10 +556,11 @@ static void outlier_weights16(int kind, const void *qs, int64_t K, int64_t N, in
 
 /* One scale group's sums of 16 weight rows against T rows of codes, for `nv` vectors of weights w (4 codes of each
  * row, 16 rows): vector i against the 4 codes at byte 4 i of each row of codes (x: the group's codes, 64 bytes a row
- * of codes: int16's lo plane then its hi plane, or int8 codes), into f as gemm_tile does (wsum: 128 times the int8
- * weight codes' sums). Two rows of codes at a time, each plane's sum in two chains (even and odd vectors): up to
- * eight independent chains of multiply-adds (one chain per plane left the kernel waiting on their latency: 35-40 G
- * products/s on a Zen 5 core in cache, then 50-60), every code one displacement from x. */
+ * of codes: a first level's lo plane then its hi plane, or int8 codes: a second level's, or `bytes`), into f as
+ * gemm_tile does (wsum: 128 times the int8 weight codes' sums). Two rows of codes at a time, each plane's sum in two
+ * chains (even and odd vectors): up to eight independent chains of multiply-adds (one chain per plane left the
+ * kernel waiting on their latency: 35-40 G products/s on a Zen 5 core in cache, then 50-60), every code one
+ * displacement from x. */
 static inline __attribute__((always_inline)) void few_group(const int kind, const int bytes, const int T,
                                                             const __m512i *w, const int nv, const uint8_t *x,
                                                             __m512i wsum, __m512 dw, __m512 mw, const float *xd,
@@ -526,9 +579,9 @@ static inline __attribute__((always_inline)) void few_group(const int kind, cons
                 memcpy(&l4, x + (t + j) * 64 + 4 * i, 4);
                 memcpy(&h4, x + (t + j) * 64 + 32 + 4 * i, 4);
                 __m512i *lo = &a[j][0][i & 1], *hi = &a[j][1][i & 1];
-                if (bytes && IS_Q4(kind)) *lo = _mm512_dpbusd_epi32(*lo, w[i], _mm512_set1_epi32(l4));
+                if ((bytes || j) && IS_Q4(kind)) *lo = _mm512_dpbusd_epi32(*lo, w[i], _mm512_set1_epi32(l4));
                 else *lo = _mm512_dpbusd_epi32(*lo, _mm512_set1_epi32(l4), w[i]);
-                if (!bytes)
+                if (!bytes && !j)
                     *hi = IS_Q4(kind) ? _mm512_dpbusd_epi32(*hi, w[i], _mm512_set1_epi32(h4))
                                       : _mm512_dpbusd_epi32(*hi, _mm512_set1_epi32(h4), w[i]);
             }
@@ -536,7 +589,7 @@ static inline __attribute__((always_inline)) void few_group(const int kind, cons
         for (int j = 0; j < 2; j++) {
             if (t + j >= T) continue;
             __m512i sum = _mm512_add_epi32(a[j][0][0], a[j][0][1]);
-            if (bytes) {
+            if (bytes || j) {
                 if (!IS_Q4(kind)) sum = _mm512_sub_epi32(sum, wsum); /* (c + 128) . w - 128 sum(w) */
             } else {
                 __m512i hi = _mm512_add_epi32(a[j][1][0], a[j][1][1]);
@@ -614,8 +667,8 @@ static inline __attribute__((always_inline)) void few_block(const int kind, cons
     }
 }
 
-/* M rows of x (row stride ldx) against a block weight with the GEMM's bits (few_block): int16 codes in two levels,
- * or (`bytes`) int8 codes without the outlier columns outliers [nout] (fixed), whose products are added in fp32.
+/* M rows of x (row stride ldx) against a block weight with the GEMM's bits (few_block): two levels of codes, or
+ * (`bytes`) int8 codes without the outlier columns outliers [nout] (fixed), whose products are added in fp32.
  * Returns 0, or -1 for no memory. */
 static int block_few(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
                      const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
@@ -644,9 +697,14 @@ static int block_few(int kind, int bytes, const float *x, int64_t M, int64_t K, 
         for (int64_t t = 0; t < T; t++)
             for (int64_t b = 0; b < groups; b++) {
                 __m512i c0, c1;
-                quantize_group(levels + t * K + b * QK, 0, 32767.0f, &c0, &c1, xd + t * groups + b,
+                quantize_group(levels + t * K + b * QK, 0, level_codes(t), &c0, &c1, xd + t * groups + b,
                                xs + t * groups + b);
                 uint8_t *dst = planes + (b * T + t) * 64;
+                if (t & 1) { /* the second level: its int8 codes, one plane as int8 activation codes are */
+                    _mm_storeu_si128((__m128i *)dst, _mm_xor_si128(_mm512_cvtepi32_epi8(c0), flip));
+                    _mm_storeu_si128((__m128i *)(dst + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(c1), flip));
+                    continue;
+                }
                 _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0));
                 _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(c1));
                 const __m128i hi0 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8));
@@ -713,7 +771,7 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
 
 /* Activation rows from which a product of a few rows (nt_block_matmul's, nt_block_gemm8's with fixed outlier
  * columns) takes the GEMM on AMX tiles instead of block_few, where that route is on: the same bits either way. From
- * 8 rows the int16 codes' two levels fill a tile of 16 rows; not yet measured against block_few on such a CPU
+ * 8 rows the two levels of codes fill a tile of 16 rows; not yet measured against block_few on such a CPU
  * (benchmarks/gemm_routes.py times both). */
 #define AMX_FEW_ROWS 8
 
@@ -726,7 +784,7 @@ static int few_on_amx(int64_t M) {
 #endif
 }
 
-/* nt_block_matmul's products of two rows and more with AVX-512 VNNI (two levels of int16 codes): block_few, or the
+/* nt_block_matmul's products of two rows and more with AVX-512 VNNI (two levels of codes): block_few, or the
  * GEMM on AMX tiles (few_on_amx). */
 NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                              const void *d, const void *m, float *out, int64_t ldo, int threads) {
@@ -734,12 +792,12 @@ NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int
     return block_few(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
 }
 
-/* The GEMM over block weights, with int16 activation codes in two levels (split_levels) or (`bytes`) int8 ones,
+/* The GEMM over block weights, with activation codes in two levels (split_levels) or (`bytes`) int8 ones,
  * these without the outlier columns (outlier_columns), whose products are added in fp32. */
 static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N,
                             const void *qs, const void *d, const void *m, float *out, int64_t ldo, int threads,
                             const int32_t *outliers, int64_t num_outliers) {
-    if (!bytes) { /* the levels as rows of their own, each pair summed into one output row by gemm_tile */
+    if (!bytes) { /* the levels as rows of their own, each pair summed into one output row by exact_tile */
         float *levels = malloc((size_t)(2 * M * K) * sizeof(float) + 64);
         if (!levels) return -1;
         split_levels(x, M, K, ldx, levels);
@@ -752,7 +810,7 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
 }
 #endif
 
-/* nt_block_matmul's product through a GEMM, for batches bound by compute: with AVX-512 VNNI the int16 one
+/* nt_block_matmul's product through a GEMM, for batches bound by compute: with AVX-512 VNNI the byte one
  * (block_gemm_codes), else the fp32 one: each thread dequantizes 16 weight rows at a time into a panel of its own (a
  * few percent of the multiply-adds at 64 rows) and runs every row tile of x over it. Either way no fp32 copy of the
  * weight is kept. Returns 0, or -1 as nt_block_matmul. */
@@ -786,13 +844,13 @@ int nt_block_gemm(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, i
 
 /* nt_block_gemm with the activations as int8 codes per 32 values (block_gemm_codes with bytes), where the CPU has
  * AVX-512 VNNI, their outlier columns (outlier_columns) multiplied in fp32: a layer's projections at 512 rows, over
- * their real prefill activations, 1.47-1.53x the int16 route's rate (SmolLM2, Gemma 3; codes alone 1.56-1.66x), at
- * 64 rows 1.33x. The activations' step is absmax / 127 per 32 values where int16 codes keep it 258 times finer:
- * teacher-forced top-1 agreement with the reference 99.2% for SmolLM2 and 98.9% for Gemma 3, KL 6.8e-4 / 3.6e-4,
- * where int16 gives 100% (transformers in bf16: 98.4% / 97.8%, KL 1.4e-3 / 5.6e-4). Elsewhere the same as
- * nt_block_gemm. outliers [num_outliers] (ascending, each below K, at most NT_OUTLIER_MAX): the outlier columns,
- * fixed, so that each row's result depends on that row alone (gemm_tile's arithmetic per row does not depend on the
- * rows beside it); num_outliers -1: chosen over the M rows. */
+ * their real prefill activations, 1.47-1.53x the rate of the exact route when its second level was int16 codes too
+ * (SmolLM2, Gemma 3; codes alone 1.56-1.66x), at 64 rows 1.33x. The activations' step is absmax / 127 per 32 values
+ * where int16 codes keep it 258 times finer: teacher-forced top-1 agreement with the reference 99.2% for SmolLM2 and
+ * 98.9% for Gemma 3, KL 6.8e-4 / 3.6e-4, where int16 gives 100% (transformers in bf16: 98.4% / 97.8%, KL 1.4e-3 /
+ * 5.6e-4). Elsewhere the same as nt_block_gemm. outliers [num_outliers] (ascending, each below K, at most
+ * NT_OUTLIER_MAX): the outlier columns, fixed, so that each row's result depends on that row alone (gemm_tile's
+ * arithmetic per row does not depend on the rows beside it); num_outliers -1: chosen over the M rows. */
 int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                    const void *d, const void *m, float *out, int64_t ldo, int threads, const int32_t *outliers,
                    int64_t num_outliers) {

@@ -219,13 +219,13 @@ typedef struct {
 /* ------------------------------------------------------------ across units */
 
 #ifdef NT_VNNI512
-/* A thread's two panels of 16 weight rows each, for the GEMM over block weights (gemm.c, amx.c): their codes as the
- * products take them (int16 pairs, or bytes) and their scales. */
+/* A thread's two panels of 16 weight rows each, for the GEMM over block weights (gemm.c, amx.c): their codes as
+ * bytes and their scales. */
 typedef struct {
-    void *codes[2];              /* int16: [K / 2][16 rows][2]; bytes: [K / 4][16 rows][4] */
+    void *codes[2];              /* [K / 4][16 rows][4] */
     float *scale[2], *offset[2]; /* [scale groups][16] (Q8 in halves: per 16 values), Q4's m [K / 32][16] */
-    int32_t *bias[2];            /* bytes of int8 codes: [scale groups][16], -128 times each row's codes' sum */
-    float *outlier[2];           /* bytes: the weights of the activations' outlier columns, [outliers][16] */
+    int32_t *bias[2];            /* int8 codes: [scale groups][16], -128 times each row's codes' sum */
+    float *outlier[2];           /* int8 activations: the weights of their outlier columns, [outliers][16] */
 } gemm_panels;
 
 /* The float work of every route with the GEMM's bits, shared so that their results cannot drift apart (gemm_tile,
@@ -240,8 +240,8 @@ static inline __attribute__((always_inline)) __m512 scale_group(__m512 f, __m512
 
 /* A GEMM tile's outputs, rows r0..r0 + T - 1 of codes by columns n0..n0 + cols - 1 (cols <= 32), from its float
  * accumulators f (every scale group done): (bytes) the outlier columns' fp32 products added, values xo [rows][nout],
- * then stored; int16 codes: rows r0 + t and r0 + t + 1 (r0 and T even) are the two levels of out row (r0 + t) / 2,
- * added. */
+ * then stored; the exact route's codes: rows r0 + t and r0 + t + 1 (r0 and T even) are the two levels of out row
+ * (r0 + t) / 2, added. */
 static inline __attribute__((always_inline)) void tile_out(int bytes, int T, __m512 (*f)[2], const gemm_panels *p,
                                                            const float *xo, int64_t nout, int64_t r0, float *out,
                                                            int64_t ldo, int64_t n0, int64_t cols) {
@@ -271,7 +271,14 @@ NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const floa
 #endif
 
 /* formats.c */
-NT_INTERNAL void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order);
+/* The code range of each level of activation codes (split_levels): the first level's int16 codes, the second's int8
+ * ones (in int16 storage where a kernel takes them as int16). Rows of codes alternate: 2r the first level of
+ * activation row r, 2r + 1 its second. */
+#define LEVEL1_CODES 32767.0f
+#define LEVEL2_CODES 127.0f
+static inline float level_codes(int64_t code_row) { return code_row & 1 ? LEVEL2_CODES : LEVEL1_CODES; }
+NT_INTERNAL void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order,
+                                float levels);
 NT_INTERNAL int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_order, quantized_rows *out);
 NT_INTERNAL void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows);
 #ifdef NT_VNNI512

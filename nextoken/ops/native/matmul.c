@@ -1,5 +1,5 @@
 /* Block products of a few activation rows: weights in the formats of nt_format against activations in two levels of
- * int16 codes per 32 values, bound by the bytes of the weight (decode). */
+ * codes per 32 values (split_levels), bound by the bytes of the weight (decode). */
 #include "internal.h"
 
 /* ------------------------------------------------------------ block scales */
@@ -77,12 +77,12 @@ static inline offset_sum level_scales(int kind, const quantized_rows *x, int64_t
 
 /* ------------------------------------------------------ block products */
 
-/* Weights in the formats of nt_block_matmul (kind) against activations in two levels of int16 codes per 32 values
- * (split_levels): weights are widened to int16, so each block is two 16-bit multiply-add instructions per row of
- * codes, and the result is within fp32 rounding of an fp32 matmul over the dequantized weight.
- * Per weight row, the products of weight and activation block scales are formed first (vectorized), so the inner
- * loop is integer products and one multiply-add per block. Inlined for each constant number of activation rows T, so
- * that the accumulators stay in registers. */
+/* Weights in the formats of nt_block_matmul (kind) against activations in two levels of codes per 32 values, held as
+ * int16 (split_levels): weights are widened to int16, so each block is two 16-bit multiply-add instructions per row
+ * of codes, and the result is within fp32 rounding of an fp32 matmul over the dequantized weight. Per weight row,
+ * the products of weight and activation block scales are formed first (vectorized), so the inner loop is integer
+ * products and one multiply-add per block. Inlined for each constant number of activation rows T, so that the
+ * accumulators stay in registers. */
 #ifdef NT_AVX2
 /* Block g of Q4 weight row n, a last block without a pair (see pair_into for the others), as two int16 vectors in
  * the activations' order (code_at): A holds the even elements of each half, B the odd ones; lane 0 is the first
@@ -241,11 +241,12 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
 /* ------------------------------------------ one-row Q4 products, AVX-512 VNNI */
 
 /* With AVX-512 VNNI, one activation row meets Q4 weights through vpdpbusd, which multiplies unsigned bytes by signed
- * bytes and adds each four products into a 32-bit lane. The activations keep their int16 codes (the same codes as
- * quantize_row16, so the sums are the same integers), split into bytes: c = 256 hi + lo, lo 0..255 unsigned and hi
- * signed. A nibble is both a small signed byte (against lo) and an unsigned one (against hi), so a 64-byte vector of
- * nibbles, four blocks (a quad), takes four byte multiply-adds, a shift and an add: half the instructions of the
- * int16 route, which is what bounds that route where the weights stream from memory. */
+ * bytes and adds each four products into a 32-bit lane. The first level's int16 codes (the same codes as
+ * quantize_row16, so the sums are the same integers) are split into bytes: c = 256 hi + lo, lo 0..255 unsigned and
+ * hi signed. A nibble is both a small signed byte (against lo) and an unsigned one (against hi), so a 64-byte vector
+ * of nibbles, four blocks (a quad), takes four byte multiply-adds, a shift and an add: half the instructions of the
+ * int16 route, which is what bounds that route where the weights stream from memory. The second level's int8 codes
+ * take two (quad8_into). */
 
 /* Bytes per quad of activation codes: lo of elements 0..15 of each of the quad's four blocks (16 bytes each, in
  * block order), lo of elements 16..31, hi of 0..15, hi of 16..31. That is the order in which the quad's 64 bytes of
@@ -255,11 +256,11 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
 
 /* x [K] -> codes as bytes in quads, d and s as quantize_row16's. A last partial quad's missing blocks are left as
  * they are: their weights are read as zeros (q4_vnni_rows). */
-static void quantize_row_quads(const float *x, int64_t K, uint8_t *q, float *d, float *s) {
+static void quantize_row_quads(const float *x, int64_t K, uint8_t *q, float *d, float *s, float levels) {
     const int64_t groups = K / QK;
     for (int64_t b = 0; b < groups; b++) {
         __m512i c0, c1;
-        quantize_group(x + b * QK, 0, 32767.0f, &c0, &c1, d + b, s + b);
+        quantize_group(x + b * QK, 0, levels, &c0, &c1, d + b, s + b);
         uint8_t *dst = q + (b / 4) * QUAD_BYTES + (b % 4) * 16;
         _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0)); /* low bytes */
         _mm_storeu_si128((__m128i *)(dst + 64), _mm512_cvtepi32_epi8(c1));
@@ -281,6 +282,19 @@ static inline __attribute__((always_inline)) __m512 quad_into(__m512i v, const u
         _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(a + 128)), w1, _mm512_loadu_si512(a + 192));
     const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8))), scale, acc);
+}
+
+/* The same for a quad of int8 codes (the second level, levels LEVEL2_CODES): one plane of bytes, each code its lo
+ * byte as a signed byte, against the nibbles as unsigned ones: two byte multiply-adds. */
+static inline __attribute__((always_inline)) __m512 quad8_into(__m512i v, const uint8_t *a, const float *sc,
+                                                               __m512 acc) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(a)),
+                                            w1, _mm512_loadu_si512(a + 64));
+    const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
 }
 
 static inline __m256 fold_ps(__m512 v) {
@@ -323,12 +337,15 @@ static inline __attribute__((always_inline)) void q4_vnni_rows(const int kind, c
         for (int j = 0; j < 2 * R; j++) acc[j] = _mm512_setzero_ps();
         for (int64_t g = 0; g < whole; g++) {
             const __m512i v = _mm512_loadu_si512(w + g * 64);
-            for (int j = 0; j < 2 * R; j++) acc[j] = quad_into(v, a[j] + g * QUAD_BYTES, scale[j] + 4 * g, acc[j]);
+            for (int j = 0; j < 2 * R; j++)
+                acc[j] = j & 1 ? quad8_into(v, a[j] + g * QUAD_BYTES, scale[j] + 4 * g, acc[j])
+                               : quad_into(v, a[j] + g * QUAD_BYTES, scale[j] + 4 * g, acc[j]);
         }
         if (groups % 4) {
             const __m512i v = _mm512_maskz_loadu_epi8(tail, w + whole * 64);
             for (int j = 0; j < 2 * R; j++)
-                acc[j] = quad_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j]);
+                acc[j] = j & 1 ? quad8_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j])
+                               : quad_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j]);
         }
         for (int i = 0; i < R; i++)
             out[(r0 + i) * ldo + n] =
@@ -346,7 +363,8 @@ static int q4_vnni(int kind, const float *levels, int64_t M, int64_t K, int64_t 
     xq.d = (float *)(codes + 2 * M * stride);
     xq.s = xq.d + 2 * M * groups;
     for (int64_t r = 0; r < 2 * M; r++)
-        quantize_row_quads(levels + r * K, K, codes + r * stride, xq.d + r * groups, xq.s + r * groups);
+        quantize_row_quads(levels + r * K, K, codes + r * stride, xq.d + r * groups, xq.s + r * groups,
+                          level_codes(r));
     const int64_t chunks = (N + ROW_CHUNK - 1) / ROW_CHUNK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t c = 0; c < chunks; c++) {
