@@ -1,10 +1,10 @@
 """What `--activations int8` costs in quality, beside transformers in bf16: teacher-forced top-1 agreement with
 nextoken's fp32 route (fp32 weights, head and KV cache, which the tests hold to the reference) and the mean KL from
 it, over the reference prompts with their continuations and one long prompt (the reference prompts joined, past
-Gemma 3's 512-token window). Rows: the default formats (int16 activation codes), `--activations int8` (its outlier
-columns fixed by the calibration pass, as every engine runs it), the same with each product choosing its columns
-over its own rows (a prompt scored alone: what fixing them costs), and transformers' own forward of the same file in
-bf16 (the precision most users run it in).
+Gemma 3's 512-token window). Rows: the default formats (two levels of activation codes), `--activations int8` (its
+outlier columns fixed by the calibration pass, as every engine runs it), the same with each product choosing its
+columns over its own rows (a prompt scored alone: what fixing them costs), and transformers' own forward of the same
+file in bf16 (the precision most users run it in).
 
 Run: .venv/bin/python -m benchmarks.activation_quality [--models smollm2 gemma3] [--long 800]
 """

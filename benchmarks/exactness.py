@@ -4,7 +4,7 @@ continuations are the reference's, for each weight format asked for.
 
 Run: .venv/bin/python -m benchmarks.exactness [--models smollm2 gemma3] [--weights auto fp32] [--emulated-avx512]
      [--long]
-`auto` is the default formats (the file's blocks, two levels of int16 activation codes). --emulated-avx512 runs the
+`auto` is the default formats (the file's blocks, two levels of activation codes). --emulated-avx512 runs the
 AVX-512 VNNI routes on any x86-64 CPU (the kernels built with -DNT_EMULATE_AVX512: SIMDe's portable intrinsics;
 slow). --long adds one prompt of about 800 tokens (the reference prompts joined, past Gemma 3's 512-token window),
 scored against the fp32 route, which the tests hold to the reference.

@@ -1,5 +1,6 @@
 """Products over block weights on each route this CPU has: AMX-INT8 tiles against AVX-512 VNNI (the same bits, see
-tests/unit/test_amx.py), with int16 activation codes (the default, exact) and int8 ones (`--activations int8`).
+tests/unit/test_amx.py), with the default's exact activation codes (two levels) and int8 ones (`--activations
+int8`).
 
 Run: .venv/bin/python -m benchmarks.gemm_routes [--rows 4 8 16 64 512] [--rounds 5]
 
@@ -80,7 +81,7 @@ def main() -> None:
                     for route in routes:
                         lib.nt_amx(1 if route == "amx" else 0)
                         start = time.perf_counter()
-                        # as the engine calls them: the few-row route up to 16 rows (int16 codes; int8 ones with
+                        # as the engine calls them: the few-row route up to 16 rows (exact codes; int8 ones with
                         # their outlier columns fixed), the GEMM past that
                         native.block_matmul(lib, part.kind, x, part.qs, part.d, part.m, out,
                                             gemm=rows > FEW_ROWS or codes == "int8", int8_activations=codes == "int8",

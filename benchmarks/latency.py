@@ -173,7 +173,7 @@ def main() -> None:
                       f"{measured['prefill_512']:.1f} tok/s, decode {measured['decode_1']:.1f} tok/s")
                 for key in ("prefill_512", "decode_1"):
                     anchors[key] = {f"transformers {dtype} this run": measured[key], **anchors[key]}
-        # Each weight format with int16 activation codes, then block formats with int8 ones (--activations int8).
+        # Each weight format with the exact activation codes, then block formats with int8 ones (--activations int8).
         variants = [(dtype, "int16") for dtype in args.weights]
         variants += [(dtype, "int8") for dtype in args.weights if dtype in ("int4", "int8")]
         for dtype, activations in variants:

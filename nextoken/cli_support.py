@@ -45,11 +45,11 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                         "requantized with its 32 best candidates recomputed in fp32); auto: int8 on CPU unless "
                         "--weights/--dtype ask for float weights")
     p.add_argument("--activations", default="int16", choices=["int16", "int8"],
-                   help="how block weights meet the activations: two levels of int16 codes per 32 values (fp32's "
-                        "precision), or (AVX-512 VNNI CPUs) int8 ones in every product, a few outlier columns in "
-                        "fp32, fixed per product by a calibration pass at load so that a sequence's numbers do not "
-                        "depend on its batch (prefill 2.5-2.9x, decode of 4-16 sequences 1.3-1.7x, of one "
-                        "0.7-1.1x; top-1 agreement above transformers in bf16)")
+                   help="how block weights meet the activations: two levels of codes per 32 values, int16 codes "
+                        "and int8 codes of what they leave (fp32's precision), or (AVX-512 VNNI CPUs) one level of "
+                        "int8 codes in every product, a few outlier columns in fp32, fixed per product by a "
+                        "calibration pass at load so that a sequence's numbers do not depend on its batch (prefill "
+                        "2.1-2.4x, decode of one sequence 0.7-1.1x; top-1 agreement above transformers in bf16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--enforce-eager", action="store_true",
                    help="on CUDA, run decode steps op by op instead of replaying CUDA graphs")

@@ -89,7 +89,7 @@ def block_products(model: nn.Module) -> dict[str, nn.Module]:
 
 @contextlib.contextmanager
 def recording(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """Within: the model's block products run exactly (int16 codes) and each one's input columns' largest
+    """Within: the model's block products run exactly (two levels of codes) and each one's input columns' largest
     magnitudes are recorded, by module name, into the dict it yields."""
     seen: dict[str, torch.Tensor] = {}
 

@@ -9,9 +9,9 @@ weights are quantized with absmax / 127) or per 16 (Q6_K's blocks, exactly). A f
 Q4_K_M files keep some V and down projections in 6 bits.
 
 The products run in nextoken's own kernels (`ops/native`), which quantize activations on the fly to two levels of
-int16 codes per 32 values (the codes, then the codes of what they leave): results match an fp32 matmul over the
-file's weights to fp32 rounding. Batches of more than `NATIVE_MAX_ROWS`
-rows are bound by compute instead, where a GEMM over the blocks wins: int16 codes with AVX-512 VNNI, else fp32
+codes per 32 values (int16 codes, then int8 codes of what they leave): results match an fp32 matmul over the file's
+weights to fp32 rounding. Batches of more than `NATIVE_MAX_ROWS` rows are bound by compute instead, where a GEMM
+over the blocks wins: byte multiply-adds on those codes with AVX-512 VNNI, else fp32
 multiply-adds over panels each thread dequantizes from the blocks as it goes (no fp32 copy is kept). Where the native
 kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16 activations; 4-bit codes with a
 bf16 scale and zero per 32) and others on the dense weight, with torch's GEMM for large batches.
@@ -63,7 +63,7 @@ def head_gemm_rows(lib: ctypes.CDLL | None) -> int:
     """Rows from which the head over the file's blocks takes the native GEMM on this build."""
     return VNNI_HEAD_GEMM_ROWS if lib is not None and lib.nt_has_vnni512() else HEAD_GEMM_ROWS
 
-# Activations meet the blocks as two levels of int16 codes per 32 values by default: results within fp32 rounding of
+# Activations meet the blocks as two levels of codes per 32 values by default: results within fp32 rounding of
 # fp32 over the file's weights. `activations="int8"` takes one level of int8 codes instead, its outlier columns in
 # fp32 (nt_block_gemm8): faster where compute bounds the products. With the columns fixed by calibration
 # (`outliers`, ops/calibration.py) every product of any number of rows takes it, so that a row's numbers do not

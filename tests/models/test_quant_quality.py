@@ -3,7 +3,7 @@ against the reference: top-1 agreement and the mean KL from our fp32, reported a
 one as the CPU default runs it: both files' heads are Q8_0, whose blocks it reads as they are.
 
 int4 keeps the file's blocks (SmolLM2's Q4_1; Gemma's Q4_K with fp32 scales, Q5_0, Q6_K, Q8_0), so its weights are
-the fp32 model's, and the activations meet them in two levels of int16 codes (fp32's precision): its bar is fp32's
+the fp32 model's, and the activations meet them in two levels of codes (fp32's precision): its bar is fp32's
 (measured 100%, KL below 2e-8 for both, rounding; one level of int16 codes measured 6e-8 / 2e-6, int8 codes 98.4%,
 KL 2.6e-3). int8 requantizes what is not 8-bit already: Q4
 blocks with a large offset lose most (measured 98.95%, KL 1.4e-3 / 99.19%, 1.6e-4), so `--weights auto` never picks

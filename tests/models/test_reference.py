@@ -1,7 +1,7 @@
 """The forward pass against the reference implementation (transformers, fp32) on every reference prompt, on CPU and,
 where one is present, on a CUDA GPU (scripts/device_check.sh).
 
-fp32 weights, and on CPU the default formats (the file's own blocks, activations in two levels of int16 codes, the int8
+fp32 weights, and on CPU the default formats (the file's own blocks, activations in two levels of codes, the int8
 LM head pass with its best candidates rescored): teacher-forced top-5 log-probabilities within 1e-3 and 48-token
 greedy continuations identical (on a GPU the decode steps replay CUDA graphs, so this holds the captured steps to the
 reference too). Past Gemma 3's 512-token window, where there is no transformers reference here, the default formats

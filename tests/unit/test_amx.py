@@ -43,10 +43,10 @@ def both_routes(library: ctypes.CDLL, run):  # noqa: ANN001, ANN201 - run() -> T
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_amx_gemm_has_the_vnni_routes_bits(amx: ctypes.CDLL, int8_activations: bool) -> None:
     """Every block format (Q4 with fp16 and fp32 offsets, Q8, Q8 in halves: tiles of 8 and 4 rows of weight codes),
-    int16 activation codes as two planes of bytes in two levels (code rows past whole tiles of 16) or int8 codes
+    two levels of activation codes, each as two planes of bytes (code rows past whole tiles of 16) or int8 codes
     with their outlier columns chosen over the rows, column counts past whole pairs of 16-column panels, rows of x
     with a stride, 1-3 threads: the same bits as the VNNI route, and within fp32 rounding of a float64 product for
-    int16 codes."""
+    the exact codes."""
     cases = 0
     for part, w, x in gemm_cases(11, outliers=True):
         if int8_activations and x.shape[0] <= 16:  # fewer rows take the few-row kernel, not a GEMM

@@ -74,9 +74,9 @@ def loud_blocks(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 6])
 def test_block_products_on_vnni(kind: int, rows: int, vnni: ctypes.CDLL, avx2: ctypes.CDLL,
                                  portable: ctypes.CDLL) -> None:
-    """With AVX-512 VNNI, activation rows meet Q4 weights through byte multiply-adds on the int16 codes split
-    into bytes, and int8 weights (Q8, Q8 in halves) through 512-bit multiply-adds of int16 pairs: the same integer
-    sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within
+    """With AVX-512 VNNI, activation rows meet Q4 weights through byte multiply-adds on the codes as bytes (a
+    first level's int16 codes two planes, a second level's int8 codes one), and int8 weights (Q8, Q8 in halves)
+    through 512-bit multiply-adds of int16 pairs: the same integer sums as the AVX2 build's int16 route, so the three builds agree to the float sums' order, and all are within
     fp32 rounding of a float64 product over the dequantized weight (two levels of activation codes), with a value a
     thousand times the others' in every other block. On VNNI a batch's rows (two or more) have the GEMM's bits
     (test_few_rows_have_the_gemms_bits). Weight row counts past whole tiles of four and thread chunks of 16; 1 to 4
@@ -270,11 +270,11 @@ def gemm_out(library: ctypes.CDLL, part: BlockWeight, x: torch.Tensor, threads: 
     return out[:, 1:1 + n]
 
 
-def test_int16_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
+def test_exact_gemm_over_block_weights(vnni: ctypes.CDLL, avx2: ctypes.CDLL) -> None:
     """With AVX-512 VNNI, products of many rows over block weights (block_matmul with gemm=True) meet the weights'
-    integer codes with two levels of int16 activation codes in 16-bit multiply-adds: within fp32 rounding of a
-    float64 product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. gemm_cases' shapes, with
-    loud columns, 1-3 threads."""
+    integer codes with two levels of activation codes in byte multiply-adds (three planes of bytes): within fp32
+    rounding of a float64 product over the dequantized weight, as is the fp32 GEMM of the AVX2 build. gemm_cases'
+    shapes, with loud columns, 1-3 threads."""
     for part, w, x in gemm_cases(6, outliers=True):
         expected = (x.double() @ w.t()).float()
         bound = 1e-5 * (x.abs().double() @ w.abs().t()).float() + 1e-6

@@ -118,8 +118,8 @@ def test_block_linear_matches_dense_on_native_kernels(rows: int, cols: int) -> N
     assert layer.lib is not None and [p.kind for p in layer.parts] == [Q4, Q8, Q8_HALVES]
     x = torch.randn(rows, cols) * 3
     expected = F.linear(x.double(), dense.double())
-    # int16 activation blocks: each activation moves by at most 1/65534 of its block's largest, so the error is a
-    # few 1e-5 of the sum of the products' sizes (that of bf16 activations is about 4e-3).
+    # two levels of activation codes: each activation moves by at most 2^-24 of its block's largest, so the error is
+    # well under 5e-5 of the sum of the products' sizes (that of bf16 activations is about 4e-3).
     bound = F.linear(x.abs().double(), dense.abs().double()) * 5e-5
     assert ((layer(x).double() - expected).abs() <= bound).all()
 
@@ -190,8 +190,8 @@ def test_block_linear_without_its_weight_needs_the_native_kernels(monkeypatch: p
 
 
 def test_block_linear_takes_a_gemm_for_large_batches() -> None:
-    """More than max_rows rows: the GEMM over the blocks (with AVX-512 VNNI int16 activation codes: within their
-    rounding, like the block kernels; without, fp32 over rows dequantized from the blocks)."""
+    """More than max_rows rows: the GEMM over the blocks (with AVX-512 VNNI two levels of activation codes: within
+    their rounding, like the block kernels; without, fp32 over rows dequantized from the blocks)."""
     layer, dense = mixed_projection()
     for x in [torch.randn(rows, 96) for rows in (layer.max_rows + 1, 96)]:
         bound = 3e-5 * (x.abs() @ dense.abs().t()) + 1e-6
@@ -249,15 +249,15 @@ def test_int8_group_head_rescores_its_best_candidates_exactly(kernels: str, exac
     torch.testing.assert_close(out.gather(1, top), exact.gather(1, top), rtol=close, atol=close)
     assert torch.equal(out.argmax(-1), exact.argmax(-1))
     # Batches bound by compute: a GEMM over the blocks when exact (the native one from gemm_rows rows on, with
-    # AVX-512 VNNI on int16 activation codes; else fp32 over vocabulary slices), over the float weight past the cheap
-    # pass's rows.
+    # AVX-512 VNNI on two levels of activation codes; else fp32 over vocabulary slices), over the float weight past
+    # the cheap pass's rows.
     monkeypatch.setattr(Int8GroupHead, "VOCAB_SLICE", 1000)  # slices that do not divide the vocabulary
     sizes = [head.gemm_rows, head.gemm_rows + 7, head.max_rows + 1] if head.lib is not None else [head.max_rows + 1]
     for rows in sizes:
         many = torch.randn(rows, hidden, generator=gen)
         if rows <= head.max_rows and not exact_blocks:  # requantized: the cheap pass and its rescoring
             assert torch.equal(head(many).argmax(-1), F.linear(many, dense).argmax(-1))
-        elif exact_blocks and head.lib is not None:  # the native GEMM over the blocks (int16 codes with VNNI)
+        elif exact_blocks and head.lib is not None:  # the native GEMM over the blocks (exact codes with VNNI)
             bound = 3e-5 * (many.abs() @ dense.abs().t()) + 1e-5
             assert ((head(many) - F.linear(many, dense)).abs() <= bound).all()
         else:
