@@ -58,9 +58,9 @@ int nt_amx(int want) {
     return amx_on();
 }
 
-/* The tile configuration (palette 1): tiles 0 and 1 the activations' lo and hi planes (R rows of a group's gk bytes),
- * 2 and 3 the two panels' codes (gk / 4 rows of 64 bytes), 4 and 5 the sums of hi (or the byte codes) against each
- * panel, 6 and 7 those of lo (R rows of 16 int32). */
+/* The tile configuration (palette 1): tiles 0 and 1 the activations' planes (R rows of a group's gk bytes: lo; hi,
+ * the second level's or the byte codes), 2 and 3 the two panels' codes (gk / 4 rows of 64 bytes), 4 and 5 the sums
+ * of hi (or of the second level's or the byte codes) against each panel, 6 and 7 those of lo (R rows of 16 int32). */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -92,45 +92,62 @@ static void amx_configure(int R, int gk) {
         _tile_stored(c1, (to)[1], 64);                                                                               \
     } while (0)
 
-/* out rows of code rows [0, M) (int16: M even, rows 2r and 2r + 1 the levels of out row r) and columns n0..n0 +
- * cols - 1 (cols <= 32), from planes ([M][K] bytes; int16: the lo plane, then the hi plane), the code rows' scales xd
- * and Q4 sums xs [M][groups], (bytes) the outlier values xo [M][nout], and the panels p (gemm_widen's bytes). */
+/* out rows of code rows [0, M) and columns n0..n0 + cols - 1 (cols <= 32), from planes ([M][K] bytes: int8 codes;
+ * the exact route's, M even, code rows 2r and 2r + 1 the levels of out row r: its lo plane, then its hi plane, a
+ * second level's int8 codes in the lo plane), the code rows' scales xd and Q4 sums xs [M][groups], (bytes) the
+ * outlier values xo [M][nout], and the panels p (gemm_widen's bytes). The exact route takes a tile of up to 16
+ * activation rows a plane, its rows 2K bytes apart: the first level's hi (signed) and lo (unsigned) planes, then the
+ * second level's codes (signed), three tile products per panel where a tile of both levels' int16 codes took four
+ * for half the rows. */
 NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const float *xd, const float *xs, int64_t M,
                           int64_t K, const gemm_panels *p, float *out, int64_t ldo, int64_t n0, int64_t cols,
                           const float *xo, int64_t nout) {
     const int64_t groups = K / QK, halves = kind == NT_Q8_HALVES, sg = halves ? 2 * groups : groups;
     const int gk = halves ? 16 : 32;
+    const int64_t rows = bytes ? M : M / 2, stride = bytes ? K : 2 * K; /* activation rows, and theirs apart */
     const uint8_t *lo = planes, *hi = bytes ? planes : planes + M * K;
     const uint8_t *w0 = (const uint8_t *)p->codes[0], *w1 = (const uint8_t *)p->codes[1];
-    int32_t sums[4][16][16] __attribute__((aligned(64))); /* hi (or bytes) x panel 0, x panel 1; lo x 0, x 1 */
-    __m512 f[16][2];
+    /* hi (or the byte codes) x panel 0, x panel 1; lo x 0, x 1; the second level x 0, x 1 */
+    int32_t sums[6][16][16] __attribute__((aligned(64)));
+    __m512 f[32][2]; /* by row of codes */
     int shape = 0;
-    for (int64_t r0 = 0; r0 < M; r0 += 16) {
-        const int R = M - r0 < 16 ? (int)(M - r0) : 16;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        const int R = rows - r0 < 16 ? (int)(rows - r0) : 16;
+        const int64_t first = bytes ? r0 : 2 * r0; /* the tile's first row of codes */
         if (R != shape) amx_configure(R, gk), shape = R;
-        for (int t = 0; t < R; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
+        for (int t = 0; t < (bytes ? R : 2 * R); t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
         for (int64_t s = 0; s < sg; s++) {
             const int64_t g = halves ? s / 2 : s;
             _tile_loadd(2, w0 + s * gk * 16, 64);
             _tile_loadd(3, w1 + s * gk * 16, 64);
-            AMX_PLANE(_tile_dpbssd, 1, 4, 5, hi + r0 * K + s * gk, K, sums); /* hi: signed; or the byte codes */
-            if (!bytes) AMX_PLANE(_tile_dpbusd, 0, 6, 7, lo + r0 * K + s * gk, K, sums + 2); /* lo: unsigned */
+            AMX_PLANE(_tile_dpbssd, 1, 4, 5, hi + first * K + s * gk, stride, sums); /* hi: signed; or bytes */
+            if (!bytes) {
+                AMX_PLANE(_tile_dpbusd, 0, 6, 7, lo + first * K + s * gk, stride, sums + 2); /* lo: unsigned */
+                AMX_PLANE(_tile_dpbssd, 1, 4, 5, lo + (first + 1) * K + s * gk, stride, sums + 4); /* second */
+            }
             const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
             const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
             const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
             for (int t = 0; t < R; t++) {
-                __m512i a0 = _mm512_load_si512(sums[0][t]), a1 = _mm512_load_si512(sums[1][t]);
-                if (!bytes) { /* 256 hi + lo */
-                    a0 = _mm512_add_epi32(_mm512_slli_epi32(a0, 8), _mm512_load_si512(sums[2][t]));
-                    a1 = _mm512_add_epi32(_mm512_slli_epi32(a1, 8), _mm512_load_si512(sums[3][t]));
+                for (int level = 0; level < (bytes ? 1 : 2); level++) {
+                    __m512i a0, a1;
+                    if (bytes || level) {
+                        a0 = _mm512_load_si512(sums[bytes ? 0 : 4][t]), a1 = _mm512_load_si512(sums[bytes ? 1 : 5][t]);
+                    } else { /* 256 hi + lo */
+                        a0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][t]), 8),
+                                              _mm512_load_si512(sums[2][t]));
+                        a1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[1][t]), 8),
+                                              _mm512_load_si512(sums[3][t]));
+                    }
+                    const int64_t c = first + (bytes ? t : 2 * t + level), u = bytes ? t : 2 * t + level;
+                    const __m512 dx = _mm512_set1_ps(xd[c * groups + g]);
+                    const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[c * groups + g]) : _mm512_setzero_ps();
+                    f[u][0] = scale_group(f[u][0], a0, d0, dx, IS_Q4(kind), m0, sx);
+                    f[u][1] = scale_group(f[u][1], a1, d1, dx, IS_Q4(kind), m1, sx);
                 }
-                const __m512 dx = _mm512_set1_ps(xd[(r0 + t) * groups + g]);
-                const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[(r0 + t) * groups + g]) : _mm512_setzero_ps();
-                f[t][0] = scale_group(f[t][0], a0, d0, dx, IS_Q4(kind), m0, sx);
-                f[t][1] = scale_group(f[t][1], a1, d1, dx, IS_Q4(kind), m1, sx);
             }
         }
-        tile_out(bytes, R, f, p, xo, nout, r0, out, ldo, n0, cols);
+        tile_out(bytes, bytes ? R : 2 * R, f, p, xo, nout, first, out, ldo, n0, cols);
     }
     _tile_release();
 }

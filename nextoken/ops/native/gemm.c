@@ -439,15 +439,13 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
             }
             int16_t *q = (int16_t *)codes + r * K;
             quantize_row16(x + r * ldx, K, q, xd + r * groups, xs + r * groups, 0, level_codes(r));
-            /* code = 256 hi + lo: lo unsigned, hi signed. A second level's codes are int8: its lo plane holds them
-             * (AMX takes it as int16 codes, lo and hi, the hi plane the sign) */
+            /* code = 256 hi + lo: lo unsigned, hi signed. A second level's codes are int8: its lo plane holds them */
             const int second = r & 1;
             for (int64_t i = 0; i < K; i += 32) {
                 const __m512i v = _mm512_loadu_si512(q + i);
                 const __m256i lo = _mm512_cvtepi16_epi8(v), hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
                 _mm256_storeu_si256((__m256i *)(planes + r * K + i), second ? _mm256_xor_si256(lo, flip) : lo);
-                if (!second || amx) _mm256_storeu_si256((__m256i *)(planes + (M + r) * K + i),
-                                                        amx ? hi : _mm256_xor_si256(hi, flip));
+                if (!second) _mm256_storeu_si256((__m256i *)(planes + (M + r) * K + i), _mm256_xor_si256(hi, flip));
             }
         }
     }
@@ -771,7 +769,7 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
 
 /* Activation rows from which a product of a few rows (nt_block_matmul's, nt_block_gemm8's with fixed outlier
  * columns) takes the GEMM on AMX tiles instead of block_few, where that route is on: the same bits either way. From
- * 8 rows the two levels of codes fill a tile of 16 rows; not yet measured against block_few on such a CPU
+ * 8 rows (a tile takes 16 rows of one plane); not yet measured against block_few on such a CPU
  * (benchmarks/gemm_routes.py times both). */
 #define AMX_FEW_ROWS 8
 
