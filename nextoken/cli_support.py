@@ -46,8 +46,8 @@ def add_engine(p: argparse.ArgumentParser) -> None:
                         "--weights/--dtype ask for float weights")
     p.add_argument("--activations", default="int16", choices=["int16", "int8"],
                    help="how block weights meet the activations: two levels of codes per 32 values, int16 codes "
-                        "and int8 codes of what they leave (fp32's precision), or (AVX-512 VNNI CPUs) one level of "
-                        "int8 codes in every product, a few outlier columns in fp32, fixed per product by a "
+                        "and int8 codes of what they leave (exact to the fp32 reference), or (AVX-512 VNNI CPUs) one "
+                        "level of int8 codes in every product, a few outlier columns in fp32, fixed per product by a "
                         "calibration pass at load so that a sequence's numbers do not depend on its batch (prefill "
                         "2.1-2.4x, decode of one sequence 0.7-1.1x; top-1 agreement above transformers in bf16)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")

@@ -71,8 +71,8 @@ class EngineConfig:
     lm_head: str = "auto"
     # How block weights (int4, int8) meet the activations in products of many rows (prefill, batches of 12 or more
     # sequences, the LM head from 16 rows) on CPUs with AVX-512 VNNI: "int16": two levels of codes per 32 values (int16
-    # codes, then int8 codes of what they leave: fp32's precision) | "int8": one level of int8 codes per 32 values,
-    # their outlier columns in fp32 (faster products, less precise).
+    # codes, then int8 codes of what they leave: each value within 2^-24 of its block's largest) | "int8": one level
+    # of int8 codes per 32 values, their outlier columns in fp32 (faster products, less precise).
     activations: str = "int16"
     # KV cache storage: "fp32" | "bf16" | "int8" (a fp16 scale per 32 values) | "auto": fp32 on CPU, bf16 on CUDA.
     kv_dtype: str = "auto"

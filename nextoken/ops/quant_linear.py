@@ -9,12 +9,13 @@ weights are quantized with absmax / 127) or per 16 (Q6_K's blocks, exactly). A f
 Q4_K_M files keep some V and down projections in 6 bits.
 
 The products run in nextoken's own kernels (`ops/native`), which quantize activations on the fly to two levels of
-codes per 32 values (int16 codes, then int8 codes of what they leave): results match an fp32 matmul over the file's
-weights to fp32 rounding. Batches of more than `NATIVE_MAX_ROWS` rows are bound by compute instead, where a GEMM
-over the blocks wins: byte multiply-adds on those codes with AVX-512 VNNI, else fp32
-multiply-adds over panels each thread dequantizes from the blocks as it goes (no fp32 copy is kept). Where the native
-kernels cannot be built, all-Q4 projections run on torch's fused int4 kernel (bf16 activations; 4-bit codes with a
-bf16 scale and zero per 32) and others on the dense weight, with torch's GEMM for large batches.
+codes per 32 values (int16 codes, then int8 codes of what they leave: each value within 2^-24 of its block's
+largest), which keeps the models' outputs as close to the fp32 reference as fp32 weights are (docs/exactness.md).
+Batches of more than `NATIVE_MAX_ROWS` rows are bound by compute instead, where a GEMM over the blocks wins: byte
+multiply-adds on those codes with AVX-512 VNNI, else fp32 multiply-adds over panels each thread dequantizes from the
+blocks as it goes (no fp32 copy is kept). Where the native kernels cannot be built, all-Q4 projections run on
+torch's fused int4 kernel (bf16 activations; 4-bit codes with a bf16 scale and zero per 32) and others on the dense
+weight, with torch's GEMM for large batches.
 """
 
 from __future__ import annotations

@@ -107,11 +107,12 @@ int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_orde
  * most d1 / 2, so d2 <= d1 / 254). In one level a block holding one large value leaves its small values few
  * significant bits: every value is off by up to 1 / 65534 of the block's largest, which moved SmolLM2's
  * teacher-forced log-probabilities by 3.5e-3 and Gemma 3's by 1.6e-3 against fp32 activations. Two levels keep each
- * value within d2 / 2 <= 2^-24 of its block's largest (with the remainder's own fp32 rounding): an fp32 matmul's
- * precision. The second level's codes are int8 because the AVX-512 kernels take it as one plane of bytes where int16
- * codes are two (256 hi + lo): three byte multiply-adds per four values of a row instead of four (int16 codes in
- * both levels kept each value within 2^-31, past fp32's own rounding). The kernels take the levels as two rows of
- * codes each and sum each pair's products into one output.
+ * value within d2 / 2 <= 2^-24 of its block's largest (with the remainder's own fp32 rounding): fp32's precision for
+ * a block's largest values, while one a thousand times below its block's largest keeps about 14 significant bits
+ * (int16 codes in both levels kept 2^-31, 21 bits there; the models' reference prompts measured the same either way,
+ * docs/exactness.md). The second level's codes are int8 because the AVX-512 kernels take it as one plane of bytes
+ * where int16 codes are two (256 hi + lo): three byte multiply-adds per four values of a row instead of four. The
+ * kernels take the levels as two rows of codes each and sum each pair's products into one output.
  * rows [2M, K]: row 2r is x's row r, row 2r + 1 its remainder after the first level (quantize_row16's rounding: the
  * same products and the same rounding to nearest, ties to even). */
 void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows) {
