@@ -41,8 +41,11 @@ def test_import_sets_the_spin_and_keeps_the_users() -> None:
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs for a waiting worker")
 def test_idle_workers_sleep_instead_of_spinning() -> None:
-    ours = float(run(IDLE))
-    libgomp = float(run(IDLE, GOMP_SPINCOUNT="300000"))  # libgomp's own default
+    for _ in range(3):  # a spinning worker on a loaded machine gets less of a CPU: both again until the control spins
+        ours = float(run(IDLE))
+        libgomp = float(run(IDLE, GOMP_SPINCOUNT="300000"))  # libgomp's own default
+        if libgomp > 0.02:
+            break
     print(f"CPU time while idle: {ours * 1e3:.1f} ms with nextoken's spin, {libgomp * 1e3:.1f} ms with libgomp's")
     assert libgomp > 0.02  # its workers spun (the measurement sees spinning here)
     assert ours < libgomp / 4

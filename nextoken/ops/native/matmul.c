@@ -79,10 +79,10 @@ static inline offset_sum level_scales(int kind, const quantized_rows *x, int64_t
 
 /* Weights in the formats of nt_block_matmul (kind) against activations in two levels of codes per 32 values, held as
  * int16 (split_levels): weights are widened to int16, so each block is two 16-bit multiply-add instructions per row
- * of codes, and the result is within fp32 rounding of an fp32 matmul over the dequantized weight. Per weight row,
- * the products of weight and activation block scales are formed first (vectorized), so the inner loop is integer
- * products and one multiply-add per block. Inlined for each constant number of activation rows T, so that the
- * accumulators stay in registers. */
+ * of codes, and the result is within the codes' own error (split_levels) and fp32 rounding of an fp32 matmul over
+ * the dequantized weight. Per weight row, the products of weight and activation block scales are formed first
+ * (vectorized), so the inner loop is integer products and one multiply-add per block. Inlined for each constant
+ * number of activation rows T, so that the accumulators stay in registers. */
 #ifdef NT_AVX2
 /* Block g of Q4 weight row n, a last block without a pair (see pair_into for the others), as two int16 vectors in
  * the activations' order (code_at): A holds the even elements of each half, B the odd ones; lane 0 is the first
