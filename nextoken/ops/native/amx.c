@@ -125,27 +125,19 @@ NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const floa
                 AMX_PLANE(_tile_dpbusd, 0, 6, 7, lo + first * K + s * gk, stride, sums + 2); /* lo: unsigned */
                 AMX_PLANE(_tile_dpbssd, 1, 4, 5, lo + (first + 1) * K + s * gk, stride, sums + 4); /* second */
             }
-            const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
-            const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
-            const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
-            for (int t = 0; t < R; t++) {
+            const panel_group pg = panel_group_at(kind, p, s); /* its bias unused: tiles take signed bytes */
+            for (int t = 0; t < R; t++)
                 for (int level = 0; level < (bytes ? 1 : 2); level++) {
-                    __m512i a0, a1;
-                    if (bytes || level) {
-                        a0 = _mm512_load_si512(sums[bytes ? 0 : 4][t]), a1 = _mm512_load_si512(sums[bytes ? 1 : 5][t]);
-                    } else { /* 256 hi + lo */
-                        a0 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[0][t]), 8),
-                                              _mm512_load_si512(sums[2][t]));
-                        a1 = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[1][t]), 8),
-                                              _mm512_load_si512(sums[3][t]));
+                    const int u = bytes ? t : 2 * t + level; /* the tile's row of codes */
+                    const __m512 dx = _mm512_set1_ps(xd[(first + u) * groups + g]);
+                    const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[(first + u) * groups + g]) : _mm512_setzero_ps();
+                    for (int h = 0; h < 2; h++) {
+                        __m512i a = _mm512_load_si512(sums[bytes || level ? (bytes ? h : 4 + h) : h][t]);
+                        if (!bytes && !level) /* 256 hi + lo */
+                            a = _mm512_add_epi32(_mm512_slli_epi32(a, 8), _mm512_load_si512(sums[2 + h][t]));
+                        f[u][h] = scale_group(f[u][h], a, pg.d[h], dx, IS_Q4(kind), pg.m[h], sx);
                     }
-                    const int64_t c = first + (bytes ? t : 2 * t + level), u = bytes ? t : 2 * t + level;
-                    const __m512 dx = _mm512_set1_ps(xd[c * groups + g]);
-                    const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[c * groups + g]) : _mm512_setzero_ps();
-                    f[u][0] = scale_group(f[u][0], a0, d0, dx, IS_Q4(kind), m0, sx);
-                    f[u][1] = scale_group(f[u][1], a1, d1, dx, IS_Q4(kind), m1, sx);
                 }
-            }
         }
         tile_out(bytes, bytes ? R : 2 * R, f, p, xo, nout, first, out, ldo, n0, cols);
     }

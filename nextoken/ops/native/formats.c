@@ -27,7 +27,7 @@ static inline void pack_block(const __m256i c[4], int q4_order, __m256i *lo, __m
 
 /* x [K] -> int16 codes in -levels..levels (in q4_position order where `q4_order`), per block: d = absmax / levels,
  * s = d * sum(codes). Codes round to nearest, ties to even, in both paths. */
-void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order, float levels) {
+static void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order, float levels) {
     const int64_t groups = K / QK;
 #ifdef NT_AVX2
     __m256i prev_lo = _mm256_setzero_si256(), prev_hi = prev_lo; /* the first block of a pair, until its second */

@@ -219,6 +219,21 @@ static void gemm_widen(int kind, const void *qs, const void *d, const void *m, i
     }
 }
 
+/* Group x [32] of split_levels' row of codes `row` as the exact route's planes of bytes, with its scale d and Q4 sum
+ * s: a first level's int16 codes as lo (unsigned, 32 bytes at lo) and hi (signed, at hi), a second level's int8 codes
+ * at lo alone. `flip` (0x80 bytes) makes the signed planes unsigned, for vpdpbusd against int8 weight codes. */
+static inline void level_planes(const float *x, int64_t row, __m128i flip, uint8_t *lo, uint8_t *hi, float *d,
+                                float *s) {
+    __m512i c0, c1;
+    quantize_group(x, 0, level_codes(row), &c0, &c1, d, s);
+    const __m128i flip_lo = row & 1 ? flip : _mm_setzero_si128();
+    _mm_storeu_si128((__m128i *)lo, _mm_xor_si128(_mm512_cvtepi32_epi8(c0), flip_lo));
+    _mm_storeu_si128((__m128i *)(lo + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(c1), flip_lo));
+    if (row & 1) return;
+    _mm_storeu_si128((__m128i *)hi, _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8)), flip));
+    _mm_storeu_si128((__m128i *)(hi + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(_mm512_srai_epi32(c1, 8)), flip));
+}
+
 /* out rows r0..r0 + T - 1, columns n0..n0 + cols - 1 (cols <= 32) = those rows of x (int8 activation codes `codes`,
  * [M, K], with their scales xd and Q4 sums xs per group) by the panels: a step takes 4 bytes of each row's codes
  * against a 64-byte vector of each panel in vpdpbusd (Q4's codes the unsigned side; int8 codes against the
@@ -234,10 +249,9 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, const int 
     for (int t = 0; t < T; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sg; s++) {
         const int64_t g = kind == NT_Q8_HALVES ? s / 2 : s; /* the activations' scale group */
+        const panel_group pg = panel_group_at(kind, p, s);
         __m512i a[IG_ROWS][2];
-        const __m512i b0 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[0] + s * 16);
-        const __m512i b1 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[1] + s * 16);
-        for (int t = 0; t < T; t++) a[t][0] = b0, a[t][1] = b1;
+        for (int t = 0; t < T; t++) a[t][0] = pg.bias[0], a[t][1] = pg.bias[1];
         const uint8_t *w0 = (const uint8_t *)p->codes[0] + s * steps * 64;
         const uint8_t *w1 = (const uint8_t *)p->codes[1] + s * steps * 64;
         const uint8_t *xr = (const uint8_t *)codes + r0 * K + s * steps * 4;
@@ -259,14 +273,10 @@ static inline __attribute__((always_inline)) void gemm_tile(int kind, const int 
                 }
             }
         }
-        const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
-        const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
-        const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
         for (int t = 0; t < T; t++) {
             const __m512 dx = _mm512_set1_ps(xd[(r0 + t) * groups + g]);
             const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[(r0 + t) * groups + g]) : _mm512_setzero_ps();
-            f[t][0] = scale_group(f[t][0], a[t][0], d0, dx, IS_Q4(kind), m0, sx);
-            f[t][1] = scale_group(f[t][1], a[t][1], d1, dx, IS_Q4(kind), m1, sx);
+            for (int h = 0; h < 2; h++) f[t][h] = scale_group(f[t][h], a[t][h], pg.d[h], dx, IS_Q4(kind), pg.m[h], sx);
         }
     }
     tile_out(1, T, f, p, xo, nout, r0, out, ldo, n0, cols);
@@ -293,12 +303,11 @@ static inline __attribute__((always_inline)) void exact_tile(int kind, const int
     for (int t = 0; t < 2 * A; t++) f[t][0] = f[t][1] = _mm512_setzero_ps();
     for (int64_t s = 0; s < sg; s++) {
         const int64_t g = halves ? s / 2 : s;
-        const __m512i b0 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[0] + s * 16);
-        const __m512i b1 = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[1] + s * 16);
+        const panel_group pg = panel_group_at(kind, p, s);
         __m512i l[EXACT_ROWS][2], h[EXACT_ROWS][2], c[EXACT_ROWS][2]; /* lo, hi, second level; by panel */
         for (int i = 0; i < A; i++) {
             l[i][0] = l[i][1] = _mm512_setzero_si512();
-            h[i][0] = c[i][0] = b0, h[i][1] = c[i][1] = b1;
+            h[i][0] = c[i][0] = pg.bias[0], h[i][1] = c[i][1] = pg.bias[1];
         }
         const uint8_t *w0 = (const uint8_t *)p->codes[0] + s * steps * 64;
         const uint8_t *w1 = (const uint8_t *)p->codes[1] + s * steps * 64;
@@ -327,20 +336,16 @@ static inline __attribute__((always_inline)) void exact_tile(int kind, const int
                 }
             }
         }
-        const __m512 d0 = _mm512_loadu_ps(p->scale[0] + s * 16), d1 = _mm512_loadu_ps(p->scale[1] + s * 16);
-        const __m512 m0 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[0] + s * 16) : _mm512_setzero_ps();
-        const __m512 m1 = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[1] + s * 16) : _mm512_setzero_ps();
         for (int i = 0; i < A; i++) {
             const int64_t r = 2 * (a0 + i);
             const __m512 dx = _mm512_set1_ps(xd[r * groups + g]), dx2 = _mm512_set1_ps(xd[(r + 1) * groups + g]);
             const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[r * groups + g]) : _mm512_setzero_ps();
             const __m512 sx2 = IS_Q4(kind) ? _mm512_set1_ps(xs[(r + 1) * groups + g]) : _mm512_setzero_ps();
-            const __m512i s0 = _mm512_add_epi32(l[i][0], _mm512_slli_epi32(h[i][0], 8));
-            const __m512i s1 = _mm512_add_epi32(l[i][1], _mm512_slli_epi32(h[i][1], 8));
-            f[2 * i][0] = scale_group(f[2 * i][0], s0, d0, dx, IS_Q4(kind), m0, sx);
-            f[2 * i][1] = scale_group(f[2 * i][1], s1, d1, dx, IS_Q4(kind), m1, sx);
-            f[2 * i + 1][0] = scale_group(f[2 * i + 1][0], c[i][0], d0, dx2, IS_Q4(kind), m0, sx2);
-            f[2 * i + 1][1] = scale_group(f[2 * i + 1][1], c[i][1], d1, dx2, IS_Q4(kind), m1, sx2);
+            for (int e = 0; e < 2; e++) { /* panel e: 256 hi + lo, then the second level */
+                const __m512i first = _mm512_add_epi32(l[i][e], _mm512_slli_epi32(h[i][e], 8));
+                f[2 * i][e] = scale_group(f[2 * i][e], first, pg.d[e], dx, IS_Q4(kind), pg.m[e], sx);
+                f[2 * i + 1][e] = scale_group(f[2 * i + 1][e], c[i][e], pg.d[e], dx2, IS_Q4(kind), pg.m[e], sx2);
+            }
         }
     }
     tile_out(0, 2 * A, f, p, NULL, 0, 2 * a0, out, ldo, n0, cols);
@@ -387,7 +392,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
 #else
     const int amx = 0;
 #endif
-    const int64_t code_bytes = M * K * (bytes ? 1 : 4); /* the exact route: int16 codes, then their planes */
+    const int64_t code_bytes = M * K * (bytes ? 1 : 2); /* the exact route: two planes */
     void *rows = malloc((size_t)(code_bytes + (2 * M * groups + M * OUTLIER_MAX) * (int64_t)sizeof(float) +
                                  groups * (int64_t)sizeof(uint32_t) +
                                  (bytes ? (team + 2) * K * (int64_t)sizeof(float) : 0)) + 64);
@@ -396,7 +401,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
     uint32_t *skip = (uint32_t *)(xo + M * OUTLIER_MAX); /* per group, the outlier columns' bits */
     float *colmax = (float *)(skip + groups); /* bytes: [team + 2][K], each thread's maxima, then all's */
     void *codes = bytes ? (void *)(colmax + (team + 2) * K) : (void *)colmax;
-    uint8_t *planes = bytes ? (uint8_t *)codes : (uint8_t *)codes + M * K * 2; /* [lo | hi][M][K] */
+    uint8_t *planes = (uint8_t *)codes; /* the exact route: [lo | hi][M][K] */
     memset(skip, 0, (size_t)groups * sizeof(uint32_t));
     if (bytes && !chosen) {
         nout = fixed_n;
@@ -406,7 +411,7 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
         }
     }
     /* Off AMX, int8 weights meet the signed planes plus 128 (the panels' bias takes it out again) */
-    const __m256i flip = _mm256_set1_epi8(!amx && !IS_Q4(kind) ? (char)0x80 : 0);
+    const __m128i flip = _mm_set1_epi8(!amx && !IS_Q4(kind) ? (char)0x80 : 0);
 #pragma omp parallel num_threads(threads) if (team > 1)
     {
         if (chosen) { /* the columns' largest magnitudes, each thread over the rows it then quantizes (static) */
@@ -437,16 +442,9 @@ static int block_gemm_rows(int kind, int bytes, const float *x, int64_t M, int64
                 for (int64_t j = 0; j < nout; j++) xo[r * nout + j] = x[r * ldx + outliers[j]];
                 continue;
             }
-            int16_t *q = (int16_t *)codes + r * K;
-            quantize_row16(x + r * ldx, K, q, xd + r * groups, xs + r * groups, 0, level_codes(r));
-            /* code = 256 hi + lo: lo unsigned, hi signed. A second level's codes are int8: its lo plane holds them */
-            const int second = r & 1;
-            for (int64_t i = 0; i < K; i += 32) {
-                const __m512i v = _mm512_loadu_si512(q + i);
-                const __m256i lo = _mm512_cvtepi16_epi8(v), hi = _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8));
-                _mm256_storeu_si256((__m256i *)(planes + r * K + i), second ? _mm256_xor_si256(lo, flip) : lo);
-                if (!second) _mm256_storeu_si256((__m256i *)(planes + (M + r) * K + i), _mm256_xor_si256(hi, flip));
-            }
+            for (int64_t b = 0; b < groups; b++)
+                level_planes(x + r * ldx + b * QK, r, flip, planes + r * K + b * QK, planes + (M + r) * K + b * QK,
+                             xd + r * groups + b, xs + r * groups + b);
         }
     }
     const int64_t pairs_of_panels = (N + 31) / 32;
@@ -694,21 +692,9 @@ static int block_few(int kind, int bytes, const float *x, int64_t M, int64_t K, 
         const __m128i flip = _mm_set1_epi8(IS_Q4(kind) ? 0 : (char)0x80);
         for (int64_t t = 0; t < T; t++)
             for (int64_t b = 0; b < groups; b++) {
-                __m512i c0, c1;
-                quantize_group(levels + t * K + b * QK, 0, level_codes(t), &c0, &c1, xd + t * groups + b,
-                               xs + t * groups + b);
                 uint8_t *dst = planes + (b * T + t) * 64;
-                if (t & 1) { /* the second level: its int8 codes, one plane as int8 activation codes are */
-                    _mm_storeu_si128((__m128i *)dst, _mm_xor_si128(_mm512_cvtepi32_epi8(c0), flip));
-                    _mm_storeu_si128((__m128i *)(dst + 16), _mm_xor_si128(_mm512_cvtepi32_epi8(c1), flip));
-                    continue;
-                }
-                _mm_storeu_si128((__m128i *)dst, _mm512_cvtepi32_epi8(c0));
-                _mm_storeu_si128((__m128i *)(dst + 16), _mm512_cvtepi32_epi8(c1));
-                const __m128i hi0 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(c0, 8));
-                const __m128i hi1 = _mm512_cvtepi32_epi8(_mm512_srai_epi32(c1, 8));
-                _mm_storeu_si128((__m128i *)(dst + 32), _mm_xor_si128(hi0, flip));
-                _mm_storeu_si128((__m128i *)(dst + 48), _mm_xor_si128(hi1, flip));
+                level_planes(levels + t * K + b * QK, t, flip, dst, dst + 32, xd + t * groups + b,
+                             xs + t * groups + b);
             }
     }
     const int64_t blocks = (N + 15) / 16;

@@ -238,6 +238,23 @@ static inline __attribute__((always_inline)) __m512 scale_group(__m512 f, __m512
     return q4 ? _mm512_fmadd_ps(mw, sx, f) : f;
 }
 
+/* Scale group s of a thread's two panels as every GEMM route meets it: each panel's weight scales d, Q4's offsets m
+ * (else zeros) and, for int8 weight codes, the bias that sums against activations plus 128 start from (else zeros). */
+typedef struct {
+    __m512 d[2], m[2];
+    __m512i bias[2];
+} panel_group;
+
+static inline __attribute__((always_inline)) panel_group panel_group_at(int kind, const gemm_panels *p, int64_t s) {
+    panel_group g;
+    for (int h = 0; h < 2; h++) {
+        g.d[h] = _mm512_loadu_ps(p->scale[h] + s * 16);
+        g.m[h] = IS_Q4(kind) ? _mm512_loadu_ps(p->offset[h] + s * 16) : _mm512_setzero_ps();
+        g.bias[h] = IS_Q4(kind) ? _mm512_setzero_si512() : _mm512_loadu_si512(p->bias[h] + s * 16);
+    }
+    return g;
+}
+
 /* A GEMM tile's outputs, rows r0..r0 + T - 1 of codes by columns n0..n0 + cols - 1 (cols <= 32), from its float
  * accumulators f (every scale group done): (bytes) the outlier columns' fp32 products added, values xo [rows][nout],
  * then stored; the exact route's codes: rows r0 + t and r0 + t + 1 (r0 and T even) are the two levels of out row
@@ -277,8 +294,6 @@ NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const floa
 #define LEVEL1_CODES 32767.0f
 #define LEVEL2_CODES 127.0f
 static inline float level_codes(int64_t code_row) { return code_row & 1 ? LEVEL2_CODES : LEVEL1_CODES; }
-NT_INTERNAL void quantize_row16(const float *x, int64_t K, int16_t *q, float *d, float *s, int q4_order,
-                                float levels);
 NT_INTERNAL int quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int q4_order, quantized_rows *out);
 NT_INTERNAL void split_levels(const float *x, int64_t M, int64_t K, int64_t ldx, float *rows);
 #ifdef NT_VNNI512

@@ -246,7 +246,7 @@ static inline __attribute__((always_inline)) void tile(int kind, const quantized
  * hi signed. A nibble is both a small signed byte (against lo) and an unsigned one (against hi), so a 64-byte vector
  * of nibbles, four blocks (a quad), takes four byte multiply-adds, a shift and an add: half the instructions of the
  * int16 route, which is what bounds that route where the weights stream from memory. The second level's int8 codes
- * take two (quad8_into). */
+ * take two. */
 
 /* Bytes per quad of activation codes: lo of elements 0..15 of each of the quad's four blocks (16 bytes each, in
  * block order), lo of elements 16..31, hi of 0..15, hi of 16..31. That is the order in which the quad's 64 bytes of
@@ -270,29 +270,24 @@ static void quantize_row_quads(const float *x, int64_t K, uint8_t *q, float *d, 
 }
 
 /* One quad of Q4 weight bytes v against the quad's activation bytes a, times its four scales (sc: 4 floats, one per
- * block, spread to four lanes each), into acc. */
+ * block, spread to four lanes each), into acc. The first level (`second` 0): lo unsigned against the nibbles, the
+ * nibbles unsigned against hi, 256 hi + lo; the second level's int8 codes (each its lo byte, signed): the nibbles
+ * unsigned against them, two byte multiply-adds. */
 static inline __attribute__((always_inline)) __m512 quad_into(__m512i v, const uint8_t *a, const float *sc,
-                                                              __m512 acc) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
+                                                              __m512 acc, const int second) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_loadu_si512(a), w0),
-                                           _mm512_loadu_si512(a + 64), w1);
-    const __m512i hi = _mm512_dpbusd_epi32(
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(a + 128)), w1, _mm512_loadu_si512(a + 192));
-    const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8))), scale, acc);
-}
-
-/* The same for a quad of int8 codes (the second level, levels LEVEL2_CODES): one plane of bytes, each code its lo
- * byte as a signed byte, against the nibbles as unsigned ones: two byte multiply-adds. */
-static inline __attribute__((always_inline)) __m512 quad8_into(__m512i v, const uint8_t *a, const float *sc,
-                                                               __m512 acc) {
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    const __m512i spread = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-    const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    const __m512i sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, _mm512_loadu_si512(a)),
-                                            w1, _mm512_loadu_si512(a + 64));
+    const __m512i a0 = _mm512_loadu_si512(a), a1 = _mm512_loadu_si512(a + 64);
+    __m512i sum;
+    if (second) {
+        sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0, a0), w1, a1);
+    } else {
+        const __m512i lo = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, a0, w0), a1, w1);
+        const __m512i hi = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(zero, w0, _mm512_loadu_si512(a + 128)), w1,
+                                               _mm512_loadu_si512(a + 192));
+        sum = _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 8));
+    }
     const __m512 scale = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_loadu_ps(sc)));
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, acc);
 }
@@ -338,14 +333,12 @@ static inline __attribute__((always_inline)) void q4_vnni_rows(const int kind, c
         for (int64_t g = 0; g < whole; g++) {
             const __m512i v = _mm512_loadu_si512(w + g * 64);
             for (int j = 0; j < 2 * R; j++)
-                acc[j] = j & 1 ? quad8_into(v, a[j] + g * QUAD_BYTES, scale[j] + 4 * g, acc[j])
-                               : quad_into(v, a[j] + g * QUAD_BYTES, scale[j] + 4 * g, acc[j]);
+                acc[j] = quad_into(v, a[j] + g * QUAD_BYTES, scale[j] + 4 * g, acc[j], j & 1);
         }
         if (groups % 4) {
             const __m512i v = _mm512_maskz_loadu_epi8(tail, w + whole * 64);
             for (int j = 0; j < 2 * R; j++)
-                acc[j] = j & 1 ? quad8_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j])
-                               : quad_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j]);
+                acc[j] = quad_into(v, a[j] + whole * QUAD_BYTES, scale[j] + 4 * whole, acc[j], j & 1);
         }
         for (int i = 0; i < R; i++)
             out[(r0 + i) * ldo + n] =
