@@ -7,8 +7,11 @@ Run (on a machine with an NVIDIA GPU): python -m benchmarks.cuda_decode [--batch
 Models: those of SmolLM2-135M's and Gemma 3 270M's shapes with random weights (written by tests/tiny.py; a step's
 speed depends on the shapes, not the values), and each packaged model named with --real that is installed there.
 Prefill: one 512-token prompt, best of 3 after a warm-up. Decode: B requests of a 128-token prompt; after their
-prefill, `steps` pure decode steps are timed (synchronized). nextoken runs with the CUDA defaults: bf16 weights and
-KV cache. Printed: tok/s and the ratios (graphs / eager, nextoken / transformers).
+prefill, `steps` pure decode steps are timed (synchronized). nextoken runs with a bf16 KV cache and, by route:
+"eager" and "graphs", the CUDA defaults (bf16 weights) with and without CUDA graphs; "int4" and "int8", the block
+formats in their Triton kernel (ops/cuda_blocks.py: the file's blocks, fp32 activations), with graphs. Printed: tok/s
+and the ratios (graphs / eager, each route / transformers). `--device cpu` runs the same script on CPU (a check of
+the script, not a figure to quote).
 """
 
 from __future__ import annotations
@@ -34,11 +37,19 @@ PROMPT = 128  # decode's prompt length
 PREFILL = 512
 
 
+ROUTES = {"eager": dict(cuda_graphs=False), "graphs": {}, "int4": dict(weights="int4"), "int8": dict(weights="int8")}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:  # noqa: ANN001
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - start
 
 
@@ -103,16 +114,18 @@ def transformers_rates(path: Path, batches: list[int], steps: int, device: str =
     return rates
 
 
-def measure(path: Path, batches: list[int], steps: int) -> dict[str, dict[str, float]]:
+def measure(path: Path, batches: list[int], steps: int, routes: list[str], device: str = "cuda"
+            ) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
-    for graphs in (False, True):
-        llm = LLM(str(path), device="cuda", cuda_graphs=graphs, kv_cache_bytes=2 << 30, max_num_seqs=max(batches),
-                  enable_prefix_caching=False)
+    for route in routes:
+        llm = LLM(str(path), device=device, kv_dtype="bf16", kv_cache_bytes=2 << 30, max_num_seqs=max(batches),
+                  enable_prefix_caching=False, **ROUTES[route])
         rates = {"prefill": prefill_rate(llm)}
         rates.update({f"decode{b}": decode_rate(llm, b, steps) for b in batches})
-        figures["graphs" if graphs else "eager"] = rates
+        figures[route] = rates
         del llm
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return figures
 
 
@@ -139,6 +152,24 @@ def profile_decode(path: Path, steps: int = 20) -> str:
     return head + events.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
 
 
+def table(figures: dict[str, dict[str, float]], routes: list[str]) -> str:
+    """tok/s by figure (rows) and route (columns), then graphs / eager and each route / transformers."""
+    hf = figures.get("transformers", {})
+    ratios = (["graphs/eager"] if {"graphs", "eager"} <= set(routes) else []) + \
+        [f"{r}/hf" for r in routes if hf and r != "eager"]
+    lines = [f"{'figure':10}" + "".join(f"{r:>10}" for r in routes) + (f"{'hf':>10}" if hf else "") +
+             "".join(f"{r:>13}" for r in ratios)]
+    for key in figures[routes[0]]:
+        line = f"{key:10}" + "".join(f"{figures[r][key]:10.1f}" for r in routes)
+        if hf:
+            line += f"{hf[key]:10.1f}"
+        for ratio in ratios:
+            top, bottom = ratio.split("/")
+            line += f"{figures[top][key] / (hf if bottom == 'hf' else figures[bottom])[key]:12.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", default="1,16,64")
@@ -148,13 +179,19 @@ def main() -> None:
                         help="packaged models to measure too, where installed (with transformers beside them)")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--profile", help="write a profile of batch-1 decode steps of the first model here")
+    parser.add_argument("--routes", default=",".join(ROUTES), help=f"of {', '.join(ROUTES)}")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu to check the script")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
+    routes = args.routes.split(",")
+    if unknown := set(routes) - set(ROUTES):
+        raise SystemExit(f"unknown routes: {', '.join(sorted(unknown))}")
     from nextoken.loader.registry import REGISTRY, is_installed, resolve_model
 
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; bf16 weights, bf16 KV cache; tok/s")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (a check of the script)"
+    print(f"{where}, torch {torch.__version__}; bf16 KV cache; tok/s")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         models = {name: lambda name=name, arch=arch, shape=shape: write_tiny_model(
@@ -169,21 +206,17 @@ def main() -> None:
             path = make()
             if args.profile and i == 0:
                 Path(args.profile).write_text(profile_decode(path))
-            figures = measure(path, batches, args.steps)
+            figures = measure(path, batches, args.steps, routes, args.device)
             if name in args.real:
                 try:
-                    figures["transformers"] = transformers_rates(path, batches, args.steps)
-                    torch.cuda.empty_cache()
+                    figures["transformers"] = transformers_rates(path, batches, args.steps, args.device)
+                    if args.device == "cuda":
+                        torch.cuda.empty_cache()
                 except Exception as exc:  # noqa: BLE001 - the baseline is optional; say why it is missing
                     print(f"{name}: transformers baseline failed: {type(exc).__name__}: {exc}")
             results[name] = figures
-            hf = figures.get("transformers", {})
             print(f"\n{name}")
-            print(f"{'figure':10} {'eager':>9} {'graphs':>9} {'graphs/eager':>12} {'transformers':>12} {'ratio':>6}")
-            for key in figures["eager"]:
-                eager, fast = figures["eager"][key], figures["graphs"][key]
-                base = f"{hf[key]:12.1f} {fast / hf[key]:5.2f}x" if key in hf else ""
-                print(f"{key:10} {eager:9.1f} {fast:9.1f} {fast / eager:11.2f}x {base}")
+            print(table(figures, routes))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

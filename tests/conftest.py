@@ -14,6 +14,12 @@ import pytest
 import nextoken  # noqa: F401 - before torch loads: its OpenMP setting (GOMP_SPINCOUNT) counts only then
 from tests.tiny import write_tiny_model
 
+if "TRITON_INTERPRET" not in os.environ:  # the block formats' CUDA kernel (ops/cuda_blocks.py) runs interpreted on CPU
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 DATA = Path(__file__).parent / "data"
 REAL_MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma-3-270m"}
 TEST_KV_BYTES = 64 << 20
@@ -37,17 +43,17 @@ def load_reference(model: str, name: str) -> dict:
     return json.loads((DATA / "reference" / model / name).read_text())
 
 
-_LLMS: dict[tuple[str, str, str, str], object] = {}
+_LLMS: dict[tuple[str, str, str, str, str], object] = {}
 
 
 def real_llm(model: str, dtype: str = "float32", kv_dtype: str = "fp32",  # noqa: ANN201 - returns nextoken.LLM
-             device: str = "cpu"):
-    """One shared LLM per (model, dtype, kv_dtype, device) for the whole session."""
+             device: str = "cpu", weights: str = "auto"):
+    """One shared LLM per (model, dtype, kv_dtype, device, weights) for the whole session."""
     from nextoken import LLM
 
-    key = (model, dtype, kv_dtype, device)
+    key = (model, dtype, kv_dtype, device, weights)
     if key not in _LLMS:
-        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, kv_dtype=kv_dtype, device=device,
+        _LLMS[key] = LLM(REAL_MODELS[model], dtype=dtype, kv_dtype=kv_dtype, device=device, weights=weights,
                          kv_cache_bytes=TEST_KV_BYTES)
     return _LLMS[key]
 

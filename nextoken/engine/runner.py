@@ -53,7 +53,8 @@ def resolve_weights(config: EngineConfig, device: torch.device, gguf: ModelFile)
     On CPU that is int4 when every projection in the file is in blocks the native kernels hold exactly (Q4_0, Q4_1,
     Q4_K as 4-bit; Q5_0, Q6_K, Q8_0 as 8-bit): the same weights as fp32, at a fraction of the bytes (SmolLM2 Q4_1
     and Gemma 3 Q4_K_M: 100% top-1 agreement with fp32). Files of other types would be requantized, which costs
-    quality, so they stay fp32; so does every file where the native kernels cannot be built. On CUDA, bf16.
+    quality, so they stay fp32; so does every file where the native kernels cannot be built. On CUDA, bf16; int4
+    and int8 there run the blocks in Triton kernels (ops/cuda_blocks.py) with fp32 activations.
     """
     weights = config.weights
     if weights == "auto":
@@ -64,7 +65,11 @@ def resolve_weights(config: EngineConfig, device: torch.device, gguf: ModelFile)
         else:
             weights = "int4" if native.library() is not None and _all_projections_exact(gguf) else "fp32"
     if weights in ("int4", "int8") and device.type != "cpu":
-        raise NextokenError(f"weights={weights} uses a CPU kernel; on {device.type} use bf16 or fp32")
+        from nextoken.ops import cuda_blocks  # noqa: PLC0415 - imports Triton
+
+        if device.type != "cuda" or not cuda_blocks.available():
+            raise NextokenError(f"weights={weights} on {device.type} needs CUDA and Triton (ops/cuda_blocks.py); "
+                                f"use bf16 or fp32")
     return weights
 
 
@@ -116,9 +121,9 @@ class ModelRunner:
     def _load(self, gguf: ModelFile, model_config: ModelConfig, config: EngineConfig, max_model_len: int) -> None:
         self.dtype = torch.bfloat16 if self.weights == "bf16" else torch.float32  # of the float projection weights
         self.lm_head = resolve_lm_head(config, self.device)
-        if config.activations == "int8" and self.weights not in ("int4", "int8"):
-            raise NextokenError(f"activations=int8 applies to block weights (int4 or int8, on CPU); these weights "
-                                f"are {self.weights}")
+        if config.activations == "int8" and (self.weights not in ("int4", "int8") or self.device.type != "cpu"):
+            raise NextokenError(f"activations=int8 applies to block weights (int4 or int8) on CPU; these weights "
+                                f"are {self.weights} on {self.device.type}")
         self.activations = config.activations
         shards = plan_shards(model_config, config.tensor_parallel, self.weights in ("int4", "int8")) \
             if config.tensor_parallel > 1 else None

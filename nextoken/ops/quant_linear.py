@@ -166,7 +166,7 @@ class BlockLinear(nn.Module):
     dequantizes the blocks when asked."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
-                 shape: tuple[int, int] | None = None) -> None:
+                 shape: tuple[int, int] | None = None, kernels: str = "native") -> None:
         super().__init__()
         if dense is None and shape is None:
             raise ValueError("a projection without its fp32 weight needs its shape")
@@ -174,16 +174,27 @@ class BlockLinear(nn.Module):
         if sum(p.rows for p in parts) != self.out_features:
             raise ValueError("block parts do not add up to the projection's rows")
         self.parts = _merge(parts)
+        # "triton": every product in ops/cuda_blocks.py's kernel, on the parts' device (CUDA; on CPU under Triton's
+        # interpreter, for tests); no float copy of the weight.
+        self.kernels = kernels
         # How activations meet the blocks in the GEMM over them (products of more than max_rows rows):
         # "int16" codes per 32 values, or "int8" ones (faster, less precise; see nt_block_gemm8).
         self.activations = "int16"
         # Under "int8", the outlier columns fixed by a calibration pass (int32, ascending; ops/calibration.py): every
         # product then takes the int8 GEMM whatever its rows, so that a row's numbers do not depend on its batch.
         self.outliers: torch.Tensor | None = None
-        self.lib = native.library()
-        if dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
+        self.lib = native.library() if kernels == "native" else None
+        if kernels == "triton":
+            from nextoken.ops import cuda_blocks  # noqa: PLC0415 - imports Triton, which CPU runs never need
+
+            self.triton = cuda_blocks
+            if not cuda_blocks.available():
+                raise ValueError("the block formats on CUDA need Triton")
+            self.max_rows = 0
+            dense = None
+        elif dense is None and (self.lib is None or len(self.parts) > native.MAX_PARTS):
             raise ValueError("a projection without its fp32 weight needs the native kernels")
-        if self.lib is not None and len(self.parts) <= native.MAX_PARTS:
+        elif self.lib is not None and len(self.parts) <= native.MAX_PARTS:
             self.max_rows = native_max_rows(self.lib)
             dense = None
         elif all(p.kind in NIBBLE_KINDS for p in self.parts):  # torch's int4 kernel (bf16 activations)
@@ -205,6 +216,8 @@ class BlockLinear(nn.Module):
         """The fp32 weight [out, in]: the fp32 copy, or dequantized from the blocks (through the GEMM's panels)."""
         if self.dense is not None:
             return self.dense
+        if self.kernels == "triton":
+            return torch.cat([self.triton.dequantize(p.kind, p.qs, p.d, p.m) for p in self.parts])
         panels = native.pack_blocks(self.lib, [(p.kind, p.qs, p.d, p.m) for p in self.parts], self.out_features,
                                     self.in_features)
         return native.unpack(panels, self.out_features, self.in_features)
@@ -224,6 +237,8 @@ class BlockLinear(nn.Module):
         return self.activations == "int8" and self.outliers is not None and self.lib is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels == "triton":
+            return self._triton(x)
         gemm = x.shape[0] > self.max_rows or self.fixed_int8
         if self.lib is None:
             if gemm:
@@ -236,6 +251,15 @@ class BlockLinear(nn.Module):
         for p in self.parts:
             native.block_matmul(self.lib, p.kind, x, p.qs, p.d, p.m, out[:, at:at + p.rows], gemm=gemm,
                                 int8_activations=self.activations == "int8", outliers=self.outliers)
+            at += p.rows
+        return out
+
+    def _triton(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        at = 0
+        for p in self.parts:
+            self.triton.block_matmul(x, p.kind, p.qs, p.d, p.m, out[:, at:at + p.rows])
             at += p.rows
         return out
 

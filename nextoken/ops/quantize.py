@@ -26,7 +26,7 @@ from torch import nn
 from nextoken.loader.codec import q8_0_codes
 from nextoken.loader.weights import FileBacked, FileTensor
 from nextoken.ops.fused import FusedDecoder
-from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, BlockWeight,
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, BlockWeight,
                                        Int8GroupHead, block_only_types, q4_packed, q4_weight, q8_weight)
 
 if TYPE_CHECKING:
@@ -41,8 +41,16 @@ class WeightFormats:
 
     dtype: torch.dtype = torch.float32  # of dense projections: float32 or bfloat16
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    quant: str | None = None  # "int4" | "int8": block-quantized projections (the CPU's kernels)
+    quant: str | None = None  # "int4" | "int8": block-quantized projections
     quantize_head: bool = False  # the int8 LM head for decode rows, over the Q8_0 table's own blocks where it has one
+    # What runs the blocks: "native" (ops/native, CPU) or "triton" (ops/cuda_blocks.py); "auto": triton on CUDA.
+    kernels: str = "auto"
+
+    @property
+    def block_kernels(self) -> str:
+        if self.kernels != "auto":
+            return self.kernels
+        return "triton" if self.device.type == "cuda" else "native"
 
 
 def quantize_model(model: CausalLM, formats: WeightFormats) -> None:
@@ -55,7 +63,7 @@ def quantize_model(model: CausalLM, formats: WeightFormats) -> None:
     grouped = model.config.hidden_size % GROUP_SIZE == 0  # int8 groups along the hidden size
     table_in_blocks = formats.quantize_head and table.qtype == _Q.Q8_0 and grouped
     # Projections whose file blocks hold their weights exactly skip the fp32 copy (BlockLinear without `dense`).
-    exact_types = block_only_types(formats.quant) if formats.device.type == "cpu" else ()
+    exact_types = block_only_types(formats.quant) if formats.block_kernels == "native" else ()
     for name, module in list(model.named_modules()):
         if not isinstance(module, FileBacked):
             continue
@@ -72,7 +80,7 @@ def quantize_model(model: CausalLM, formats: WeightFormats) -> None:
     model.requires_grad_(False)
     if formats.quantize_head and grouped:
         model.quantized_head = _int8_head(model, head_file)
-    if formats.quant is not None and formats.device.type == "cpu":
+    if formats.quant is not None and formats.block_kernels == "native":
         model.fused = FusedDecoder.build(model)
 
 
@@ -91,6 +99,15 @@ def _projection(module: FileBacked, formats: WeightFormats, exact_types: tuple[G
     shape = (module.module.out_features, module.module.in_features)
     if formats.quant is None or shape[1] % GROUP_SIZE:  # blocks group 32 inputs: other widths stay dense
         return _dense(module, formats.dtype, formats.device)
+    if formats.block_kernels == "triton":  # the blocks alone, on the device
+        exact = all(t.qtype in EXACT_PANEL_TYPES[formats.quant] for t in files)
+        weight, parts, at = None if exact else module.floats(), [], 0
+        for t in files:
+            part = _blocks(t, formats.quant, None if weight is None else weight[at:at + t.shape[0]])
+            parts.append(BlockWeight(part.kind, part.qs.to(formats.device), part.d.to(formats.device),
+                                     None if part.m is None else part.m.to(formats.device)))
+            at += t.shape[0]
+        return BlockLinear(parts, None, shape, kernels="triton")
     if all(t.qtype in exact_types for t in files):
         return BlockLinear([_blocks(t, formats.quant, None) for t in files], None, shape)
     weight = module.floats()  # fp32: what blocks that do not hold it exactly are requantized from

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from nextoken.ops.quant_linear import BlockLinear
 from nextoken.sampling_params import SamplingParams
 from tests.conftest import DATA, agreement_and_kl, load_reference, needs_native, real_llm
 
@@ -25,7 +26,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 # (device, weights): fp32 everywhere; the defaults on CPU (on a GPU they are bf16, held to the next test's bar; with the
 # native kernels off they are fp32)
 EXACT_ROUTES = [("cpu", "fp32"), pytest.param("cpu", "default", marks=needs_native),
-                pytest.param("cuda", "fp32", marks=cuda)]
+                pytest.param("cuda", "fp32", marks=cuda), pytest.param("cuda", "int4", marks=cuda)]
 LONG = 800  # tokens: a prompt past Gemma 3's sliding window
 NEAR_TIE = 0.25  # nats: bf16 weights move a logit by about this much at most on these prompts
 
@@ -38,7 +39,12 @@ def teacher_forced_logprobs(llm, seq_ids: list[int]) -> torch.Tensor:  # noqa: A
 
 
 def exact_llm(model: str, device: str, weights: str):  # noqa: ANN201 - a nextoken LLM
-    """fp32 weights, or the default formats."""
+    """fp32 weights, the default formats, or (on CUDA) the file's blocks in the Triton kernels."""
+    if weights == "int4":
+        llm = real_llm(model, "auto", "fp32", device, weights="int4")
+        blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, BlockLinear)]
+        assert blocks and all(m.kernels == "triton" for m in blocks)
+        return llm
     llm = real_llm(model, "float32" if weights == "fp32" else "auto", "fp32", device)
     if weights == "default":
         assert llm.engine.runner.weights == "int4" and llm.engine.runner.lm_head == "int8"

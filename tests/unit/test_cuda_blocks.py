@@ -1,0 +1,100 @@
+"""The block formats on CUDA (ops/cuda_blocks.py): the Triton kernel over the file's blocks gives fp32's products with
+the file's weights, for every block type and fused mixes of them, at decode and prefill row counts; a whole model in
+int4 and int8 through it matches the same model in fp32. On a machine without a GPU the kernel runs under Triton's
+interpreter (tests/conftest.py sets TRITON_INTERPRET), on one with a GPU compiled, on the device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from nextoken import LLM, SamplingParams
+from nextoken.engine.runner import resolve_weights
+from nextoken.errors import NextokenError
+from nextoken.loader.gguf import read_gguf
+from nextoken.config import EngineConfig
+from nextoken.ops import cuda_blocks
+from nextoken.ops.quant_linear import Q4, Q4_F32, Q8, Q8_HALVES, BlockLinear, BlockWeight
+from nextoken.ops.quantize import WeightFormats
+from tests.tiny import write_tiny_model
+from tests.unit.test_quant import exact_blocks
+
+_Q = GGMLQuantizationType
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q6_K, _Q.Q5_0, _Q.Q8_0)
+
+
+def on_device(block: BlockWeight) -> BlockWeight:
+    return BlockWeight(block.kind, block.qs.to(DEVICE), block.d.to(DEVICE),
+                       None if block.m is None else block.m.to(DEVICE))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # decode tiles (16 rows, partly filled) and prefill ones (64)
+def test_blocks_give_fp32_products_with_the_files_weights(rows: int) -> None:
+    """A fused projection of every block type (Q4_0 / Q4_1 as fp16 scales, Q4_K as fp32 ones, Q6_K in halves, Q5_0
+    and Q8_0 as int8 codes), weight rows past whole tiles: its products are the loader's dequantized weights' within
+    fp32 rounding, and its weight is theirs."""
+    made = [exact_blocks(qtype, n, 256, seed=n) for qtype, n in zip(TYPES, (13, 21, 11, 7, 18, 37))]
+    layer = BlockLinear([on_device(b) for b, _ in made], None, (107, 256), kernels="triton")
+    assert [p.kind for p in layer.parts] == [Q4, Q4_F32, Q8_HALVES, Q8]
+    weight = torch.cat([w for _, w in made])
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 3
+    out = layer(x.to(DEVICE))
+    assert out.dtype == torch.float32 and out.device.type == DEVICE.type
+    expected = F.linear(x.double(), weight.double())
+    bound = F.linear(x.abs().double(), weight.abs().double()) * 1e-6  # fp32 sums of 256 products: about 1e-7
+    assert ((out.cpu().double() - expected).abs() <= bound).all()
+    torch.testing.assert_close(layer.weight.cpu(), weight, rtol=1e-6, atol=1e-7)
+
+
+def test_activations_of_any_float_dtype_are_read_as_fp32() -> None:
+    block, weight = exact_blocks(_Q.Q4_1, 40, 64, seed=3)
+    layer = BlockLinear([on_device(block)], None, (40, 64), kernels="triton")
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    expected = F.linear(x.double(), weight.double())
+    bound = F.linear(x.abs().double(), weight.abs().double()) * 1e-6
+    assert ((layer(x.to(DEVICE)).cpu().double() - expected).abs() <= bound).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        cuda_blocks.block_matmul(x.to(DEVICE).t(), Q4, block.qs, block.d, block.m, torch.empty(64, 40))
+
+
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("cuda-blocks") / "tiny-q4.gguf", "llama", projections=_Q.Q4_1)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])  # the file's Q4_1 blocks; int8 ones requantized from them
+def test_a_model_in_block_formats_matches_fp32(weights: str, tiny_q4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole model with its projections in the kernel (as on CUDA; interpreted here without a GPU): int4 keeps the
+    file's Q4_1 blocks, so its log-probabilities and greedy tokens are those of fp32 weights; int8 requantizes them
+    (absmax / 127 per 32), to the same codes the CPU's native kernels take, whose route it then matches."""
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=5, logprobs=5)
+    kwargs = dict(kv_dtype="fp32", kv_cache_bytes=8 << 20, enable_prefix_caching=False)
+    reference = LLM(str(tiny_q4), weights="fp32" if weights == "int4" else "int8", device="cpu", **kwargs)
+    ref = reference.generate([prompt], params, use_tqdm=False)[0]
+    monkeypatch.setattr(WeightFormats, "block_kernels", property(lambda self: "triton"))
+    blocks = LLM(str(tiny_q4), weights=weights, device=DEVICE.type, **kwargs)
+    layers = [m for m in blocks.engine.runner.model.modules() if isinstance(m, BlockLinear)]
+    assert layers and all(m.kernels == "triton" and m.dense is None for m in layers)
+    assert blocks.engine.runner.model.fused is None
+    mine = blocks.generate([prompt], params, use_tqdm=False)[0]
+    assert mine.token_ids == ref.token_ids
+    worst = 0.0
+    for ours, theirs in zip(mine.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
+        assert ours[0][0] == theirs[0][0]
+        worst = max(worst, max(abs(a - b) for (_, a), (_, b) in zip(ours, theirs)))
+    assert worst < 1e-4
+
+
+def test_block_formats_on_cuda_need_triton(tiny_q4: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gguf = read_gguf(tiny_q4)
+    config = EngineConfig(model=str(tiny_q4), weights="int4")
+    assert resolve_weights(config, torch.device("cuda"), gguf) == "int4"
+    monkeypatch.setattr(cuda_blocks, "available", lambda: False)
+    with pytest.raises(NextokenError, match="weights=int4 on cuda needs CUDA and Triton"):
+        resolve_weights(config, torch.device("cuda"), gguf)
