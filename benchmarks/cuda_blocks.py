@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -22,8 +23,8 @@ from nextoken.ops.native.interface import Format
 
 SHAPES = {"smollm2 qkv": (960, 576), "smollm2 gate_up": (3072, 576), "smollm2 down": (576, 1536),
           "gemma3 qkv": (1536, 640), "gemma3 gate_up": (4096, 640), "gemma3 down": (640, 2048)}
-SWEEP = [(1, 32, 2), (1, 64, 4), (1, 128, 4), (16, 32, 4), (16, 64, 4), (32, 64, 4), (64, 64, 4), (64, 128, 8),
-         (128, 64, 8)]
+SWEEP = [(1, 16, 256, 4), (1, 32, 256, 4), (1, 32, 128, 4), (1, 64, 128, 4), (1, 64, 256, 8),  # vector kernel
+         (16, 64, 32, 4), (32, 32, 32, 4), (32, 64, 32, 4), (64, 64, 32, 4), (64, 64, 16, 4), (64, 128, 32, 8)]
 
 
 def blocks(kind: Format, n: int, k: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -92,6 +93,16 @@ def main() -> None:
                 extra = " ".join(f"{key}={v:.1f}" for key, v in row.items() if "x" in key and key != "error")
                 print(f"{name:16} {kind.name:3} rows {rows:4}: kernel {row['kernel']:7.1f}  bf16 {row['bf16']:7.1f}  "
                       f"fp32 {row['fp32']:7.1f}  err {row['error']:.1e}  {extra}", flush=True)
+    if args.sweep:
+        print("\nswept tiles by rows: geometric mean of the time over the swept shapes and kinds, us (best first)")
+        for rows in sorted({r["rows"] for r in results}):
+            swept = [r for r in results if r["rows"] == rows and any("x" in key for key in r)]
+            keys = [key for key in swept[0] if "x" in key] if swept else []
+            means = {key: math.exp(sum(math.log(r[key]) for r in swept) / len(swept)) for key in keys
+                     if all(r[key] == r[key] for r in swept)}  # NaN: a tile that failed its check
+            ranked = sorted(means.items(), key=lambda item: item[1])
+            kernel = math.exp(sum(math.log(r["kernel"]) for r in swept) / len(swept)) if swept else 0.0
+            print(f"rows {rows:4}: chosen {kernel:7.1f}  " + "  ".join(f"{k}={v:.1f}" for k, v in ranked[:4]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 

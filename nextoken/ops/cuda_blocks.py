@@ -1,20 +1,17 @@
 """The block formats on CUDA: products of activations with a projection's blocks (ops/quant_linear.py `BlockWeight`,
-the file's own Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks or weights requantized to them) in one Triton kernel.
+the file's own Q4_0 / Q4_1 / Q4_K / Q5_0 / Q6_K / Q8_0 blocks or weights requantized to them) in Triton kernels.
 
-The kernel never makes a float copy of the weight. For each block of 32 inputs (16 for Q6_K's halves) it takes the
-dot product of the activations with the block's integer codes, then applies the block's scale and offset once:
-
-    y[r, n] = sum over blocks g of  d[n, g] * (x[r, g] . q[n, g])  +  m[n, g] * sum(x[r, g])
-
-which is the product with w = d * q + m, the file's values, summed in fp32 (the dot products as IEEE fp32
-multiply-adds, not TF32: codes of at most 8 bits times fp32 activations keep every bit fp32 would). So the int4 and
-int8 formats on a GPU give fp32's numbers over the file's weights, as the CPU's kernels do (docs/exactness.md),
-where bf16 weights round every weight to 8 bits. Activations of any float dtype are read as fp32.
+No float copy of the weight is kept: each program decodes the tile of weights it is about to use, w = d * q (+ m) in
+fp32 from the block's codes and scales (the file's values, as the fp32 reference decodes them), and multiplies it
+with the activations in fp32 (dot products as IEEE fp32 multiply-adds, not TF32). So the int4 and int8 formats on a
+GPU give fp32's numbers over the file's weights, as the CPU's kernels do (docs/exactness.md), where bf16 weights
+round every weight to 8 bits; at a quarter (int8) or an eighth (int4) of fp32's bytes. Activations of any float
+dtype are read as fp32.
 
 Two kernels: up to MV_ROWS rows, one program per activation row and BLOCK_N weight rows, its products and sums as
 vectors (`_block_mv`); past that, tiles of BLOCK_M activation rows by BLOCK_N weight rows with dot products
-(`_block_mm`). Each program walks the whole input width, so no sum is split across programs. Without a GPU
-the same kernel runs under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check it on CPU.
+(`_block_mm`). Each program walks the whole input width, so no sum is split across programs. Without a GPU the same
+kernels run under Triton's interpreter (TRITON_INTERPRET=1), which is how the tests check them on CPU.
 """
 
 from __future__ import annotations
@@ -37,95 +34,69 @@ def available() -> bool:
 
 if triton is not None:
     @triton.jit
-    def _block_mm(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, M, N, stride_xm, stride_om,
-                  K: tl.constexpr, NIBBLES: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < M
-        col_ok = cols < N
-        groups: tl.constexpr = K // GROUP
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        x_rows = x_ptr + rows[:, None] * stride_xm
-        if NIBBLES:  # 32 codes in 16 bytes: byte j holds code j (low nibble) and code j + 16 (high nibble)
-            half = tl.arange(0, GROUP // 2)
-            q_rows = qs_ptr + cols[:, None] * (K // 2) + half[None, :]
-            for g in range(0, groups):
-                packed = tl.load(q_rows + g * (GROUP // 2), mask=col_ok[:, None], other=0)
-                low = (packed & 15).to(tl.float32)
-                high = (packed >> 4).to(tl.float32)
-                xa = tl.load(x_rows + g * GROUP + half[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-                xb = tl.load(x_rows + g * GROUP + GROUP // 2 + half[None, :], mask=row_ok[:, None],
-                             other=0.0).to(tl.float32)
-                dots = tl.dot(xa, tl.trans(low), input_precision="ieee")
-                dots += tl.dot(xb, tl.trans(high), input_precision="ieee")
-                d = tl.load(d_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-                acc += dots * d[None, :]
-                if HAS_M:
-                    m = tl.load(m_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-                    sums = tl.sum(xa, axis=1) + tl.sum(xb, axis=1)
-                    acc += sums[:, None] * m[None, :]
-        else:  # one int8 code a byte
-            k = tl.arange(0, GROUP)
-            q_rows = qs_ptr + cols[:, None] * K + k[None, :]
-            for g in range(0, groups):
-                codes = tl.load(q_rows + g * GROUP, mask=col_ok[:, None], other=0).to(tl.float32)
-                xg = tl.load(x_rows + g * GROUP + k[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-                dots = tl.dot(xg, tl.trans(codes), input_precision="ieee")
-                d = tl.load(d_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-                acc += dots * d[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
-
+    def _weights(qs_ptr, d_ptr, m_ptr, cols, col_ok, k, K: tl.constexpr, NIBBLES: tl.constexpr,
+                 GROUP: tl.constexpr, HAS_M: tl.constexpr):
+        """The fp32 weights w[n, k] = d * q (+ m) of rows `cols` at inputs `k` (k < K): the file's values."""
+        ok = col_ok[:, None] & (k < K)[None, :]
+        if NIBBLES:  # a block's 32 codes in 16 bytes: byte j holds code j (low nibble) and code j + 16 (high)
+            byte = (k // GROUP) * (GROUP // 2) + k % (GROUP // 2)
+            packed = tl.load(qs_ptr + cols[:, None] * (K // 2) + byte[None, :], mask=ok, other=0)
+            codes = (packed >> ((k % GROUP) // (GROUP // 2) * 4).to(tl.uint8)[None, :]) & 15
+        else:
+            codes = tl.load(qs_ptr + cols[:, None] * K + k[None, :], mask=ok, other=0)
+        at = cols[:, None] * (K // GROUP) + (k // GROUP)[None, :]
+        w = codes.to(tl.float32) * tl.load(d_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        if HAS_M:
+            w += tl.load(m_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        return w
 
     @triton.jit
     def _block_mv(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, N, stride_xm, stride_om,
                   K: tl.constexpr, NIBBLES: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-        """One activation row (program_id 0) against BLOCK_N weight rows: products and sums as vectors, no dot."""
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One activation row (program_id 0) against BLOCK_N weight rows: products and sums as vectors."""
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        groups: tl.constexpr = K // GROUP
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        x_row = x_ptr + row * stride_xm
-        if NIBBLES:
-            half = tl.arange(0, GROUP // 2)
-            q_rows = qs_ptr + cols[:, None] * (K // 2) + half[None, :]
-            for g in range(0, groups):
-                packed = tl.load(q_rows + g * (GROUP // 2), mask=col_ok[:, None], other=0)
-                xa = tl.load(x_row + g * GROUP + half).to(tl.float32)
-                xb = tl.load(x_row + g * GROUP + GROUP // 2 + half).to(tl.float32)
-                dots = tl.sum((packed & 15).to(tl.float32) * xa[None, :] + (packed >> 4).to(tl.float32) * xb[None, :],
-                              axis=1)
-                d = tl.load(d_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-                acc += dots * d
-                if HAS_M:
-                    m = tl.load(m_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-                    acc += (tl.sum(xa, axis=0) + tl.sum(xb, axis=0)) * m
-        else:
-            k = tl.arange(0, GROUP)
-            q_rows = qs_ptr + cols[:, None] * K + k[None, :]
-            for g in range(0, groups):
-                codes = tl.load(q_rows + g * GROUP, mask=col_ok[:, None], other=0).to(tl.float32)
-                xg = tl.load(x_row + g * GROUP + k).to(tl.float32)
-                dots = tl.sum(codes * xg[None, :], axis=1)
-                d = tl.load(d_ptr + cols * groups + g, mask=col_ok, other=0.0).to(tl.float32)
-                acc += dots * d
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+            w = _weights(qs_ptr, d_ptr, m_ptr, cols, col_ok, k, K, NIBBLES, GROUP, HAS_M)
+            acc += tl.sum(w * x[None, :], axis=1)
         tl.store(out_ptr + row * stride_om + cols, acc, mask=col_ok)
 
+    @triton.jit
+    def _block_mm(x_ptr, qs_ptr, d_ptr, m_ptr, out_ptr, M, N, stride_xm, stride_om,
+                  K: tl.constexpr, NIBBLES: tl.constexpr, GROUP: tl.constexpr, HAS_M: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """BLOCK_M activation rows against BLOCK_N weight rows: fp32 dot products (IEEE, not TF32)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < M
+        col_ok = cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=row_ok[:, None] & (k < K)[None, :],
+                        other=0.0).to(tl.float32)
+            w = _weights(qs_ptr, d_ptr, m_ptr, cols, col_ok, k, K, NIBBLES, GROUP, HAS_M)
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc, mask=row_ok[:, None] & col_ok[None, :])
 
-# Rows up to which products take the vector kernel (each row reads the weight again, from L2), and the tiles of each
-# kernel: (BLOCK_M, BLOCK_N, warps) by rows.
-MV_ROWS = 4
-MV_TILE = (1, 64, 4)
-MM_TILES = {16: (16, 32, 4), None: (32, 64, 4)}
+
+# Rows up to which products take the vector kernel (each row's programs read the weights again, from L2), and the
+# tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps), BLOCK_M 1 for the vector kernel.
+MV_ROWS = 16
+MV_TILE = (1, 32, 256, 4)
+MM_TILE = (32, 64, 32, 4)
 
 
 def block_matmul(x: torch.Tensor, kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
                  out: torch.Tensor, tile: tuple[int, int, int] | None = None) -> None:
     """out[r, n] = sum_k x[r, k] * w[n, k] for one part's blocks (`kind` a native.Format; see BlockWeight for the
     layouts). x: [M, K] floats, rows contiguous; out: [M, rows] fp32, rows contiguous (a column slice of a wider
-    output is fine). `tile` (BLOCK_M, BLOCK_N, warps; BLOCK_M 1 takes the vector kernel) overrides the choice by
+    output is fine). `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps; BLOCK_M 1 takes the vector kernel) overrides the choice by
     rows, for benchmarks."""
     if x.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("block_matmul needs rows of x and out contiguous")
@@ -133,10 +104,11 @@ def block_matmul(x: torch.Tensor, kind: int, qs: torch.Tensor, d: torch.Tensor, 
     nibbles = kind in (Format.Q4, Format.Q4_F32)
     group = 16 if kind == Format.Q8_HALVES else 32
     if tile is None:
-        tile = MV_TILE if rows <= MV_ROWS else MM_TILES[16] if rows <= 16 else MM_TILES[None]
-    block_m, block_n, warps = tile
+        tile = MV_TILE if rows <= MV_ROWS else MM_TILE
+    block_m, block_n, block_k, warps = tile
     n = qs.shape[0]
-    common = dict(K=cols, NIBBLES=nibbles, GROUP=group, HAS_M=m is not None, BLOCK_N=block_n, num_warps=warps)
+    common = dict(K=cols, NIBBLES=nibbles, GROUP=group, HAS_M=m is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+                  num_warps=warps)
     if block_m == 1:
         _block_mv[(rows, triton.cdiv(n, block_n))](x, qs, d, d if m is None else m, out, n, x.stride(0),
                                                    out.stride(0), **common)

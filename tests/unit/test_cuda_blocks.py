@@ -33,7 +33,7 @@ def on_device(block: BlockWeight) -> BlockWeight:
                        None if block.m is None else block.m.to(DEVICE))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 40])  # decode tiles (16 rows, partly filled) and prefill ones (64)
+@pytest.mark.parametrize("rows", [1, 5, 40])  # the vector kernel (up to 16 rows), the dot one (tiles of 32 rows)
 def test_blocks_give_fp32_products_with_the_files_weights(rows: int) -> None:
     """A fused projection of every block type (Q4_0 / Q4_1 as fp16 scales, Q4_K as fp32 ones, Q6_K in halves, Q5_0
     and Q8_0 as int8 codes), weight rows past whole tiles: its products are the loader's dequantized weights' within
@@ -51,15 +51,17 @@ def test_blocks_give_fp32_products_with_the_files_weights(rows: int) -> None:
     torch.testing.assert_close(layer.weight.cpu(), weight, rtol=1e-6, atol=1e-7)
 
 
-def test_activations_of_any_float_dtype_are_read_as_fp32() -> None:
-    block, weight = exact_blocks(_Q.Q4_1, 40, 64, seed=3)
-    layer = BlockLinear([on_device(block)], None, (40, 64), kernels="triton")
-    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+@pytest.mark.parametrize("rows", [3, 20])  # each kernel
+def test_activations_of_any_float_dtype_are_read_as_fp32(rows: int) -> None:
+    """bf16 activations, and a width (96) that leaves the last tile of inputs partly filled."""
+    block, weight = exact_blocks(_Q.Q4_1, 40, 96, seed=3)
+    layer = BlockLinear([on_device(block)], None, (40, 96), kernels="triton")
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     expected = F.linear(x.double(), weight.double())
     bound = F.linear(x.abs().double(), weight.abs().double()) * 1e-6
     assert ((layer(x.to(DEVICE)).cpu().double() - expected).abs() <= bound).all()
     with pytest.raises(ValueError, match="contiguous"):
-        cuda_blocks.block_matmul(x.to(DEVICE).t(), Q4, block.qs, block.d, block.m, torch.empty(64, 40))
+        cuda_blocks.block_matmul(x.to(DEVICE).t(), Q4, block.qs, block.d, block.m, torch.empty(96, 40))
 
 
 @pytest.fixture(scope="module")
