@@ -88,8 +88,8 @@ if triton is not None:
 # Rows up to which products take the vector kernel (each row's programs read the weights again, from L2), and the
 # tiles: (BLOCK_M, BLOCK_N, BLOCK_K, warps), BLOCK_M 1 for the vector kernel.
 MV_ROWS = 16
-MV_TILE = (1, 32, 256, 4)
-MM_TILE = (32, 64, 32, 4)
+MV_TILE = (1, 16, 256, 4)
+MM_TILES = {128: (32, 32, 32, 4), None: (64, 64, 16, 4)}  # by rows: up to 128, more
 
 
 def block_matmul(x: torch.Tensor, kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
@@ -104,7 +104,7 @@ def block_matmul(x: torch.Tensor, kind: int, qs: torch.Tensor, d: torch.Tensor, 
     nibbles = kind in (Format.Q4, Format.Q4_F32)
     group = 16 if kind == Format.Q8_HALVES else 32
     if tile is None:
-        tile = MV_TILE if rows <= MV_ROWS else MM_TILE
+        tile = MV_TILE if rows <= MV_ROWS else MM_TILES[128] if rows <= 128 else MM_TILES[None]
     block_m, block_n, block_k, warps = tile
     n = qs.shape[0]
     common = dict(K=cols, NIBBLES=nibbles, GROUP=group, HAS_M=m is not None, BLOCK_N=block_n, BLOCK_K=block_k,
