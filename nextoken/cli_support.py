@@ -36,7 +36,8 @@ def add_engine(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
                    help="projection weights; auto: --dtype if given, else on CPU int4 for files whose projections "
                         "are all in blocks the kernels hold exactly (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0: the file's "
-                        "weights, a quarter of fp32's bytes), fp32 for others; bf16 on CUDA")
+                        "weights, a quarter of fp32's bytes), fp32 for others; bf16 on CUDA (where int4 and int8 run the "
+                        "blocks in Triton kernels, fp32 activations)")
     p.add_argument("--kv-dtype", default="auto", choices=["auto", "fp32", "bf16", "int8"],
                    help="KV cache storage; int8 keeps a scale per 32 values (3.8x the tokens of fp32 in the same "
                         "memory); auto: fp32 on CPU, bf16 on CUDA")

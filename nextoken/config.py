@@ -61,10 +61,10 @@ class EngineConfig:
 
     model: str = "smollm2-135m-instruct"
     dtype: str = "auto"  # float weights: "float32" | "bfloat16" | "auto" (decided by `weights`)
-    # Projection weights: "fp32" | "bf16" | "int8" (per-channel scales) | "int4" (groups of 32; fused kernels for
-    # decode, fp32 GEMM for large batches; CPU only) | "auto": the dtype asked for if any, else on CPU int4 for files
-    # whose projections the kernels hold exactly (Q4_0, Q4_1, Q4_K, Q5_0, Q6_K, Q8_0 blocks), fp32 for others; bf16
-    # on CUDA.
+    # Projection weights: "fp32" | "bf16" | "int8" (a scale per 32) | "int4" (a scale and offset per 32): the block
+    # formats run in the native kernels on CPU, in Triton kernels on CUDA (ops/cuda_blocks.py) | "auto": the dtype
+    # asked for if any, else on CPU int4 for files whose projections the kernels hold exactly (Q4_0, Q4_1, Q4_K,
+    # Q5_0, Q6_K, Q8_0 blocks), fp32 for others; bf16 on CUDA.
     weights: str = "auto"
     # LM head for decode rows: "fp32" | "int8" (a cheap int8 pass over the vocabulary, its 32 best candidates
     # recomputed in fp32; CPU only) | "auto": int8 on CPU unless float weights were asked for, else fp32.
