@@ -156,7 +156,7 @@ def _rebuilt(proj: BlockLinear, parts: list[BlockWeight], cut: Callable[[torch.T
     """A BlockLinear of `parts` that runs as `proj` does: the fp32 weight beside the blocks (its `cut`) where `proj`
     keeps one, else the blocks alone."""
     dense = cut(proj.weight).contiguous() if proj.dense is not None else None
-    out = BlockLinear(parts, dense, shape)
+    out = BlockLinear(parts, dense, shape, kernels=proj.kernels)
     out.activations = proj.activations
     return out
 

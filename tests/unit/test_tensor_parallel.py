@@ -22,7 +22,7 @@ from nextoken.errors import NextokenError
 from nextoken.loader.gguf import read_gguf
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native
-from nextoken.ops.quant_linear import BlockLinear, q4_weight, q8_weight
+from nextoken.ops.quant_linear import BlockLinear, BlockWeight, q4_weight, q8_weight
 from nextoken.parallel.group import TensorParallelError
 from nextoken.parallel.shard import Shard, ShardError, plan_shards, take_columns, take_rows
 from nextoken.sampling_params import SamplingParams
@@ -60,9 +60,11 @@ def test_plan_refuses_what_does_not_split(tiny_llama: Path) -> None:
                     block_weights=True)
 
 
+@pytest.mark.parametrize("kernels", ["native", "triton"])  # triton: CUDA's kernels (interpreted without a GPU)
 @pytest.mark.parametrize("kind", ["q4", "q8"])
-def test_split_projections_add_up_to_the_whole(kind: str) -> None:
-    """Rows taken are the whole product's rows; products over column shares (32-value block bounds) sum to it."""
+def test_split_projections_add_up_to_the_whole(kind: str, kernels: str) -> None:
+    """Rows taken are the whole product's rows; products over column shares (32-value block bounds) sum to it; the
+    shares run in the kernels the whole ran in."""
     torch.manual_seed(0)
     rows, cols = 48, 128
     if kind == "q4":
@@ -70,10 +72,13 @@ def test_split_projections_add_up_to_the_whole(kind: str) -> None:
                          -torch.rand(rows, cols // 32))
     else:
         part = q8_weight(torch.randint(-127, 128, (rows, cols)), torch.rand(rows, cols // 32) / 64)
-    whole = BlockLinear([part], None, (rows, cols))
-    x = torch.randn(3, cols)
+    device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
+    part = BlockWeight(part.kind, part.qs.to(device), part.d.to(device), None if part.m is None else part.m.to(device))
+    whole = BlockLinear([part], None, (rows, cols), kernels=kernels)
+    x = torch.randn(3, cols).to(device)
     expected = whole(x)
     picked = torch.tensor([1, 2, 3, 40, 41])
+    assert take_rows(whole, picked).kernels == take_columns(whole, 0, 64).kernels == kernels
     torch.testing.assert_close(take_rows(whole, picked)(x), expected[:, picked], rtol=1e-5, atol=1e-5)
     summed = take_columns(whole, 0, 64)(x[:, :64]) + take_columns(whole, 64, 128)(x[:, 64:])
     torch.testing.assert_close(summed, expected, rtol=1e-4, atol=1e-4)
