@@ -8,7 +8,8 @@ Models: those of SmolLM2-135M's and Gemma 3 270M's shapes with random weights (w
 speed depends on the shapes, not the values), and each packaged model named with --real that is installed there.
 Prefill: one 512-token prompt, best of 3 after a warm-up. Decode: B requests of a 128-token prompt; after their
 prefill, `steps` pure decode steps are timed (synchronized). nextoken runs with a bf16 KV cache and, by route:
-"eager" and "graphs", the CUDA defaults (bf16 weights) with and without CUDA graphs; "int4" and "int8", the block
+"eager" and "graphs", the CUDA defaults (bf16 weights) with and without CUDA graphs; "sdpa", the graphs with decode
+attention over the gathered context instead of the paged kernel (ops/attention.py DECODE_KERNEL); "int4" and "int8", the block
 formats in their Triton kernel (ops/cuda_blocks.py: the file's blocks, fp32 activations), with graphs. Printed: tok/s
 and the ratios (graphs / eager, each route / transformers). `--device cpu` runs the same script on CPU (a check of
 the script, not a figure to quote).
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from nextoken import LLM, SamplingParams
+from nextoken.ops import attention
 from tests.tiny import write_tiny_model
 
 SHAPES = {
@@ -37,7 +39,8 @@ PROMPT = 128  # decode's prompt length
 PREFILL = 512
 
 
-ROUTES = {"eager": dict(cuda_graphs=False), "graphs": {}, "int4": dict(weights="int4"), "int8": dict(weights="int8")}
+ROUTES = {"eager": dict(cuda_graphs=False), "graphs": {}, "sdpa": {}, "int4": dict(weights="int4"),
+          "int8": dict(weights="int8")}
 
 
 def _sync() -> None:
@@ -118,11 +121,14 @@ def measure(path: Path, batches: list[int], steps: int, routes: list[str], devic
             ) -> dict[str, dict[str, float]]:
     figures: dict[str, dict[str, float]] = {}
     for route in routes:
+        # "sdpa": the graphs' route with decode attention over the gathered context instead of the paged kernel
+        attention.DECODE_KERNEL = "sdpa" if route == "sdpa" else "triton"
         llm = LLM(str(path), device=device, kv_dtype="bf16", kv_cache_bytes=2 << 30, max_num_seqs=max(batches),
                   enable_prefix_caching=False, **ROUTES[route])
         rates = {"prefill": prefill_rate(llm)}
         rates.update({f"decode{b}": decode_rate(llm, b, steps) for b in batches})
         figures[route] = rates
+        attention.DECODE_KERNEL = "triton"
         del llm
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -155,7 +161,7 @@ def profile_decode(path: Path, steps: int = 20) -> str:
 def table(figures: dict[str, dict[str, float]], routes: list[str]) -> str:
     """tok/s by figure (rows) and route (columns), then graphs / eager and each route / transformers."""
     hf = figures.get("transformers", {})
-    ratios = (["graphs/eager"] if {"graphs", "eager"} <= set(routes) else []) + \
+    ratios = [f"graphs/{r}" for r in ("eager", "sdpa") if {"graphs", r} <= set(routes)] + \
         [f"{r}/hf" for r in routes if hf and r != "eager"]
     lines = [f"{'figure':10}" + "".join(f"{r:>10}" for r in routes) + (f"{'hf':>10}" if hf else "") +
              "".join(f"{r:>13}" for r in ratios)]

@@ -11,6 +11,7 @@ at position seq_len - query_len + i.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
+
+# Decode rows on CUDA: "triton", the paged kernel reading K/V in place (ops/cuda_attention.py), or "sdpa", the context
+# gathered at the block table's width and masked (NEXTOKEN_CUDA_DECODE_ATTENTION overrides). int8 caches take sdpa.
+DECODE_KERNEL = os.environ.get("NEXTOKEN_CUDA_DECODE_ATTENTION", "triton")
 
 # Queries per SDPA call of a prefill chunk under a sliding window shorter than its context: a quarter of the window,
 # at least this many (each call attends over the keys its queries' windows reach: the window and the run). Gemma 3's
@@ -250,7 +255,12 @@ def _masked_decode(q: torch.Tensor, cache: KVCacheLayer, table: torch.Tensor, se
                    masks: dict[int | None, torch.Tensor], scale: float, sliding_window: int | None) -> torch.Tensor:
     """One new token per row, q [rows, heads, head_dim], over the first `length` positions of the blocks `table`
     lists ([rows, blocks]), masked by each row's context length (`seq_lens` [rows] on the device) and window, in
-    one SDPA call. `masks` keeps the mask per window: every layer of a pass shares it."""
+    one SDPA call. `masks` keeps the mask per window: every layer of a pass shares it. On CUDA, the paged kernel
+    instead (DECODE_KERNEL)."""
+    if _paged_kernel(q, cache):
+        from nextoken.ops import cuda_attention  # noqa: PLC0415 - imports Triton, which CPU runs never need
+
+        return cuda_attention.paged_decode(q, cache.k, cache.v, table, seq_lens, scale, sliding_window)
     # [rows, blocks * block_size, kv_heads, head_dim], cut to `length`
     keys = cache.read("k", table, q.dtype).flatten(1, 2)[:, :length]
     values = cache.read("v", table, q.dtype).flatten(1, 2)[:, :length]
@@ -266,3 +276,14 @@ def _masked_decode(q: torch.Tensor, cache: KVCacheLayer, table: torch.Tensor, se
         q.unsqueeze(2),  # [rows, heads, 1, head_dim]
         keys.transpose(1, 2), values.transpose(1, 2), attn_mask=allowed, scale=scale, enable_gqa=True)
     return o.squeeze(2)
+
+
+def _paged_kernel(q: torch.Tensor, cache: KVCacheLayer) -> bool:
+    """Whether decode rows take the paged Triton kernel: on CUDA (or wherever DECODE_KERNEL is "triton-everywhere",
+    the tests' switch for Triton's interpreter), with a float cache, where Triton is installed."""
+    if cache.k_scale is not None or not (DECODE_KERNEL == "triton-everywhere" or
+                                         (DECODE_KERNEL == "triton" and q.is_cuda)):
+        return False
+    from nextoken.ops import cuda_attention  # noqa: PLC0415
+
+    return cuda_attention.available()
