@@ -20,9 +20,15 @@ import torch.nn.functional as F
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
 
-# Decode rows on CUDA: "triton", the paged kernel reading K/V in place (ops/cuda_attention.py), or "sdpa", the context
-# gathered at the block table's width and masked (NEXTOKEN_CUDA_DECODE_ATTENTION overrides). int8 caches take sdpa.
+# Decode rows on CUDA: "triton", the paged kernel reading K/V in place (ops/cuda_attention.py), where it measured
+# faster than "sdpa", the context gathered at the block table's width and masked (NEXTOKEN_CUDA_DECODE_ATTENTION
+# overrides; int8 caches take sdpa). One layer on an H200, bf16, SmolLM2's and Gemma 3's heads, kernel against sdpa:
+# 128-token tables 1.9-6.0x at 1 to 64 rows; 1,024 tokens 1.13-1.40x at 1 and 16 rows but 0.52x at 64; 4,096 tokens
+# 0.24-0.42x (each program walks its row's blocks one at a time). So the kernel takes tables up to
+# PAGED_MAX_TOKENS, or PAGED_FEW_ROWS_MAX_TOKENS for up to PAGED_FEW_ROWS rows.
 DECODE_KERNEL = os.environ.get("NEXTOKEN_CUDA_DECODE_ATTENTION", "triton")
+PAGED_MAX_TOKENS = 256
+PAGED_FEW_ROWS, PAGED_FEW_ROWS_MAX_TOKENS = 16, 1024
 
 # Queries per SDPA call of a prefill chunk under a sliding window shorter than its context: a quarter of the window,
 # at least this many (each call attends over the keys its queries' windows reach: the window and the run). Gemma 3's
@@ -257,7 +263,7 @@ def _masked_decode(q: torch.Tensor, cache: KVCacheLayer, table: torch.Tensor, se
     lists ([rows, blocks]), masked by each row's context length (`seq_lens` [rows] on the device) and window, in
     one SDPA call. `masks` keeps the mask per window: every layer of a pass shares it. On CUDA, the paged kernel
     instead (DECODE_KERNEL)."""
-    if _paged_kernel(q, cache):
+    if _paged_kernel(q, cache, length):
         from nextoken.ops import cuda_attention  # noqa: PLC0415 - imports Triton, which CPU runs never need
 
         return cuda_attention.paged_decode(q, cache.k, cache.v, table, seq_lens, scale, sliding_window)
@@ -278,11 +284,14 @@ def _masked_decode(q: torch.Tensor, cache: KVCacheLayer, table: torch.Tensor, se
     return o.squeeze(2)
 
 
-def _paged_kernel(q: torch.Tensor, cache: KVCacheLayer) -> bool:
-    """Whether decode rows take the paged Triton kernel: on CUDA (or wherever DECODE_KERNEL is "triton-everywhere",
-    the tests' switch for Triton's interpreter), with a float cache, where Triton is installed."""
+def _paged_kernel(q: torch.Tensor, cache: KVCacheLayer, length: int) -> bool:
+    """Whether decode rows q over tables `length` tokens wide take the paged Triton kernel: on CUDA (or wherever
+    DECODE_KERNEL is "triton-everywhere", the tests' switch for Triton's interpreter), with a float cache, where it
+    measured faster (PAGED_MAX_TOKENS), where Triton is installed."""
     if cache.k_scale is not None or not (DECODE_KERNEL == "triton-everywhere" or
                                          (DECODE_KERNEL == "triton" and q.is_cuda)):
+        return False
+    if length > (PAGED_FEW_ROWS_MAX_TOKENS if q.shape[0] <= PAGED_FEW_ROWS else PAGED_MAX_TOKENS):
         return False
     from nextoken.ops import cuda_attention  # noqa: PLC0415
 

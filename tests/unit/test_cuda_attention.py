@@ -81,8 +81,14 @@ def test_fixed_shape_decode_steps_take_the_kernel(monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(results[0], results[1], atol=1e-5, rtol=1e-5)
 
 
-def test_int8_caches_keep_the_sdpa_route(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int8_caches_and_long_tables_keep_the_sdpa_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel where it measured faster: float caches, tables up to 1,024 tokens for up to 16 rows, 256 for
+    more."""
     monkeypatch.setattr(attention, "DECODE_KERNEL", "triton-everywhere")
-    q = torch.zeros(1, 4, 64, device=DEVICE)
-    assert attention._paged_kernel(q, KVPool(KVShape(1, 2, 64, torch.float32), 2, 4, DEVICE).layers[0])
-    assert not attention._paged_kernel(q, KVPool(KVShape(1, 2, 64, torch.int8), 2, 4, DEVICE).layers[0])
+    floats = KVPool(KVShape(1, 2, 64, torch.float32), 2, 4, DEVICE).layers[0]
+    few, many = torch.zeros(16, 4, 64, device=DEVICE), torch.zeros(17, 4, 64, device=DEVICE)
+    assert attention._paged_kernel(few, floats, 1024) and attention._paged_kernel(many, floats, 256)
+    assert not attention._paged_kernel(few, floats, 1025) and not attention._paged_kernel(many, floats, 257)
+    assert not attention._paged_kernel(few, KVPool(KVShape(1, 2, 64, torch.int8), 2, 4, DEVICE).layers[0], 16)
+    monkeypatch.setattr(attention, "DECODE_KERNEL", "sdpa")
+    assert not attention._paged_kernel(few, floats, 16)
