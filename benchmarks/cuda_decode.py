@@ -8,10 +8,10 @@ Models: those of SmolLM2-135M's and Gemma 3 270M's shapes with random weights (w
 speed depends on the shapes, not the values), and each packaged model named with --real that is installed there.
 Prefill: one 512-token prompt, best of 3 after a warm-up. Decode: B requests of a 128-token prompt; after their
 prefill, `steps` pure decode steps are timed (synchronized). nextoken runs with a bf16 KV cache and, by route:
-"eager" and "graphs", the CUDA defaults (bf16 weights) with and without CUDA graphs; "sdpa", the graphs with decode
-attention over the gathered context instead of the paged kernel (ops/attention.py DECODE_KERNEL); "int4" and "int8", the block
-formats in their Triton kernel (ops/cuda_blocks.py: the file's blocks, fp32 activations), with graphs. Printed: tok/s
-and the ratios (graphs / eager, each route / transformers). `--device cpu` runs the same script on CPU (a check of
+"eager" and "graphs", the CUDA defaults (bf16 weights) with and without CUDA graphs; "sdpa", the graphs with
+decode attention over the gathered context instead of the paged kernel (ops/attention.py DECODE_KERNEL); "int4" and
+"int8", the block formats in their Triton kernels (ops/cuda_blocks.py: the file's blocks, fp32 activations), with
+graphs. Printed: tok/s and the ratios (graphs / eager, graphs / sdpa, each route / transformers). `--device cpu` runs the same script on CPU (a check of
 the script, not a figure to quote).
 """
 

@@ -96,8 +96,8 @@ def block_matmul(x: torch.Tensor, kind: int, qs: torch.Tensor, d: torch.Tensor, 
                  out: torch.Tensor, tile: tuple[int, int, int] | None = None) -> None:
     """out[r, n] = sum_k x[r, k] * w[n, k] for one part's blocks (`kind` a native.Format; see BlockWeight for the
     layouts). x: [M, K] floats, rows contiguous; out: [M, rows] fp32, rows contiguous (a column slice of a wider
-    output is fine). `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps; BLOCK_M 1 takes the vector kernel) overrides the choice by
-    rows, for benchmarks."""
+    output is fine). `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps; BLOCK_M 1 takes the vector kernel) overrides the
+    choice by rows, for benchmarks."""
     if x.stride(1) != 1 or out.stride(1) != 1:
         raise ValueError("block_matmul needs rows of x and out contiguous")
     rows, cols = x.shape[0], x.shape[1]

@@ -163,7 +163,8 @@ class BlockLinear(nn.Module):
 
     `dense` is the fp32 weight [out, in], needed only without the native kernels (torch's GEMM); None where the
     parts hold the weight exactly (the file's own blocks, see EXACT_PANEL_TYPES; `shape` gives its size); `weight`
-    dequantizes the blocks when asked."""
+    dequantizes the blocks when asked. With `kernels="triton"` (CUDA) every product runs in ops/cuda_blocks.py's
+    kernels over the parts on the device, and no dense weight is kept."""
 
     def __init__(self, parts: list[BlockWeight], dense: torch.Tensor | None,
                  shape: tuple[int, int] | None = None, kernels: str = "native") -> None:

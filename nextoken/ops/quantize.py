@@ -5,7 +5,8 @@ storage (loader/weights.py `FileBacked`) becomes the one it runs as, chosen by `
   blocks (Q4_0, Q4_1, Q4_K) keep their codes; Q5_0, Q6_K and Q8_0 tensors (llama.cpp's mixes keep some so) become
   int8 blocks exactly; other types are requantized to int8, float files regrouped into 4 bits. int8: int8 blocks
   everywhere (Q5_0, Q6_K, Q8_0 exactly). Projections whose blocks are exactly their weights (EXACT_PANEL_TYPES) are
-  not dequantized at all on CPU: the native kernels build their GEMM panels from the blocks, or need none.
+  not dequantized at all on CPU: the native kernels build their GEMM panels from the blocks, or need none. On CUDA
+  no projection keeps a float copy: the blocks go to the device and run in Triton kernels (ops/cuda_blocks.py).
 - with `quantize_head`, decode rows go through `Int8GroupHead` (CPU only), and a Q8_0 token table stays in its blocks
   (`BlockEmbedding`): no fp32 copy, and a tied head rescores its candidates from the same blocks.
 - everything else (norms, the LM head's weight, a float token table) in fp32.
@@ -26,8 +27,9 @@ from torch import nn
 from nextoken.loader.codec import q8_0_codes
 from nextoken.loader.weights import FileBacked, FileTensor
 from nextoken.ops.fused import FusedDecoder
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, BlockWeight,
-                                       Int8GroupHead, block_only_types, q4_packed, q4_weight, q8_weight)
+from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding,
+                                       BlockLinear, BlockWeight, Int8GroupHead, block_only_types, q4_packed, q4_weight,
+                                       q8_weight)
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
