@@ -73,8 +73,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     -> [rows, heads, head_dim] in q's dtype."""
     rows, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride():
-        raise ValueError("paged_decode needs head_dim contiguous and K, V laid out alike")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or k_cache.stride() != v_cache.stride() or \
+            block_tables.stride(1) != 1:
+        raise ValueError("paged_decode needs head_dim and table rows contiguous, and K, V laid out alike")
     out = torch.empty_like(q)
     group = heads // kv_heads
     _paged_decode[(rows, kv_heads)](

@@ -93,7 +93,7 @@ MM_TILES = {128: (32, 32, 32, 4), None: (64, 64, 16, 4)}  # by rows: up to 128, 
 
 
 def block_matmul(x: torch.Tensor, kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None,
-                 out: torch.Tensor, tile: tuple[int, int, int] | None = None) -> None:
+                 out: torch.Tensor, tile: tuple[int, int, int, int] | None = None) -> None:
     """out[r, n] = sum_k x[r, k] * w[n, k] for one part's blocks (`kind` a native.Format; see BlockWeight for the
     layouts). x: [M, K] floats, rows contiguous; out: [M, rows] fp32, rows contiguous (a column slice of a wider
     output is fine). `tile` (BLOCK_M, BLOCK_N, BLOCK_K, warps; BLOCK_M 1 takes the vector kernel) overrides the
