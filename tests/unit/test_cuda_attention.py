@@ -9,6 +9,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nextoken.cache.kv_pool import KVPool, KVShape
 from nextoken.ops import attention, cuda_attention
@@ -55,6 +57,30 @@ def test_paged_kernel_matches_sdpa_over_the_gathered_context(q_dtype: str, kv_dt
                                         scale, window)
     tolerance = 1e-5 if q_dtype == "fp32" else 1e-2  # bf16 output: its rounding
     torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+@settings(max_examples=30, deadline=None)
+@given(kv_heads=st.integers(1, 3), group=st.integers(1, 5), head_dim=st.sampled_from([8, 24, 64, 80]),
+       block=st.sampled_from([1, 4, 16]), lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+       window=st.one_of(st.none(), st.integers(1, 20)), seed=st.integers(0, 2**16))
+def test_any_shape_matches_sdpa(kv_heads: int, group: int, head_dim: int, block: int, lengths: list[int],
+                                window: int | None, seed: int) -> None:
+    """Any grouping of query heads, head size, block size, contexts (1 token to several blocks, a table as wide as
+    the longest) and window: the kernel's output is the SDPA route's."""
+    heads, width = kv_heads * group, -(-max(lengths) // block)
+    pool = KVPool(KVShape(1, kv_heads, head_dim, torch.float32), len(lengths) * width, block, DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    pool.layers[0].k.copy_(torch.randn(pool.layers[0].k.shape, generator=gen) * 2)
+    pool.layers[0].v.copy_(torch.randn(pool.layers[0].v.shape, generator=gen))
+    tables = torch.randperm(len(lengths) * width, generator=gen).reshape(len(lengths), width).to(DEVICE)
+    seq_lens = torch.tensor(lengths).to(DEVICE)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(DEVICE)
+    scale = 1 / math.sqrt(head_dim)
+    out = cuda_attention.paged_decode(q, pool.layers[0].k, pool.layers[0].v, tables, seq_lens, scale, window)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention, "DECODE_KERNEL", "sdpa")
+        expected = attention._masked_decode(q, pool.layers[0], tables, seq_lens, width * block, {}, scale, window)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fixed_shape_decode_steps_take_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

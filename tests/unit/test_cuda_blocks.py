@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
@@ -62,6 +64,32 @@ def test_activations_of_any_float_dtype_are_read_as_fp32(rows: int) -> None:
     assert ((layer(x.to(DEVICE)).cpu().double() - expected).abs() <= bound).all()
     with pytest.raises(ValueError, match="contiguous"):
         cuda_blocks.block_matmul(x.to(DEVICE).t(), Q4, block.qs, block.d, block.m, torch.empty(96, 40))
+
+
+@settings(max_examples=30, deadline=None)
+@given(kind=st.sampled_from([Q4, Q4_F32, Q8, Q8_HALVES]), rows=st.integers(1, 40), out_rows=st.integers(1, 70),
+       blocks=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_any_shape_gives_fp32_products(kind: int, rows: int, out_rows: int, blocks: int, seed: int) -> None:
+    """Any rows (both kernels), weight rows and width in blocks of 32 (tiles partly filled on every side), any block
+    format with random codes and scales: the products of the weights `dequantize` gives, within fp32 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    cols = 32 * blocks
+    if kind in (Q4, Q4_F32):
+        qs = torch.randint(0, 256, (out_rows, cols // 2), dtype=torch.uint8, generator=gen)
+        scale_type = torch.float16 if kind == Q4 else torch.float32
+        d = (torch.rand(out_rows, blocks, generator=gen) / 20).to(scale_type)
+        m = (-torch.rand(out_rows, blocks, generator=gen) / 5).to(scale_type)
+    else:
+        qs = torch.randint(-127, 128, (out_rows, cols), dtype=torch.int8, generator=gen)
+        groups = 2 * blocks if kind == Q8_HALVES else blocks
+        d = (torch.rand(out_rows, groups, generator=gen) / 200).to(torch.float32 if kind == Q8_HALVES else torch.float16)
+        m = None
+    part = on_device(BlockWeight(kind, qs, d, m))
+    layer = BlockLinear([part], None, (out_rows, cols), kernels="triton")
+    weight = cuda_blocks.dequantize(kind, qs, d, m).double()
+    x = torch.randn(rows, cols, generator=gen)
+    bound = F.linear(x.abs().double(), weight.abs()) * 1e-6 + 1e-30
+    assert ((layer(x.to(DEVICE)).cpu().double() - F.linear(x.double(), weight)).abs() <= bound).all()
 
 
 @pytest.fixture(scope="module")
