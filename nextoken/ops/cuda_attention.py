@@ -12,16 +12,9 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from nextoken.ops.cuda_blocks import available, tl, triton
 
-
-def available() -> bool:
-    return triton is not None
-
+__all__ = ["available", "paged_decode"]
 
 if triton is not None:
     @triton.jit

@@ -24,11 +24,11 @@ try:
     import triton
     import triton.language as tl
 except ImportError:  # without Triton the block formats are refused on CUDA (engine/runner.py)
-    triton = None
+    triton = tl = None
 
 
 def available() -> bool:
-    """Whether the block kernels can run here (Triton is installed)."""
+    """Whether the Triton kernels (these and ops/cuda_attention.py's) can run here: Triton is installed."""
     return triton is not None
 
 

@@ -107,6 +107,11 @@ class BlockWeight:
         extra = 0 if self.m is None else self.m.nbytes
         return (self.qs.nbytes + self.d.nbytes + extra) / (self.rows * cols)
 
+    def to(self, device: torch.device | str) -> BlockWeight:
+        """The same blocks on `device`."""
+        m = None if self.m is None else self.m.to(device)
+        return BlockWeight(self.kind, self.qs.to(device), self.d.to(device), m)
+
 
 def q4_weight(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> BlockWeight:
     """From codes [rows, cols] 0..15 and d, m [rows, cols / 32] (w = d * q + m): see `q4_packed`."""
@@ -143,11 +148,14 @@ def _merge(parts: list[BlockWeight]) -> list[BlockWeight]:
     return merged
 
 
-def block_only_types(quant: str | None) -> tuple[GGMLQuantizationType, ...]:
-    """The file types whose projections load as blocks alone, never dequantized to an fp32 copy (the CPU's native
-    kernels): those the blocks hold exactly (EXACT_PANEL_TYPES: their GEMM panels come from the blocks, or with
-    AVX-512 VNNI are not needed)."""
-    return EXACT_PANEL_TYPES.get(quant or "", ()) if native.library() is not None else ()
+def block_only_types(quant: str | None, kernels: str = "native") -> tuple[GGMLQuantizationType, ...]:
+    """The file types whose projections load as blocks alone, never dequantized to an fp32 copy: those the blocks
+    hold exactly (EXACT_PANEL_TYPES), where the kernels need no float weight: the native ones build their GEMM panels
+    from the blocks (or with AVX-512 VNNI need none), Triton's read the blocks in every product. Without the native
+    kernels, none (torch's GEMM takes the float weight)."""
+    if kernels == "native" and native.library() is None:
+        return ()
+    return EXACT_PANEL_TYPES.get(quant or "", ())
 
 
 class BlockLinear(nn.Module):

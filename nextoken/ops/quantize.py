@@ -27,9 +27,8 @@ from torch import nn
 from nextoken.loader.codec import q8_0_codes
 from nextoken.loader.weights import FileBacked, FileTensor
 from nextoken.ops.fused import FusedDecoder
-from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding,
-                                       BlockLinear, BlockWeight, Int8GroupHead, block_only_types, q4_packed, q4_weight,
-                                       q8_weight)
+from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, BlockWeight,
+                                       Int8GroupHead, block_only_types, q4_packed, q4_weight, q8_weight)
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
@@ -45,13 +44,10 @@ class WeightFormats:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     quant: str | None = None  # "int4" | "int8": block-quantized projections
     quantize_head: bool = False  # the int8 LM head for decode rows, over the Q8_0 table's own blocks where it has one
-    # What runs the blocks: "native" (ops/native, CPU) or "triton" (ops/cuda_blocks.py); "auto": triton on CUDA.
-    kernels: str = "auto"
 
     @property
     def block_kernels(self) -> str:
-        if self.kernels != "auto":
-            return self.kernels
+        """What runs the blocks: "triton" on CUDA (ops/cuda_blocks.py), else "native" (ops/native)."""
         return "triton" if self.device.type == "cuda" else "native"
 
 
@@ -65,7 +61,7 @@ def quantize_model(model: CausalLM, formats: WeightFormats) -> None:
     grouped = model.config.hidden_size % GROUP_SIZE == 0  # int8 groups along the hidden size
     table_in_blocks = formats.quantize_head and table.qtype == _Q.Q8_0 and grouped
     # Projections whose file blocks hold their weights exactly skip the fp32 copy (BlockLinear without `dense`).
-    exact_types = block_only_types(formats.quant) if formats.block_kernels == "native" else ()
+    exact_types = block_only_types(formats.quant, formats.block_kernels)
     for name, module in list(model.named_modules()):
         if not isinstance(module, FileBacked):
             continue
@@ -95,29 +91,21 @@ def _dense(module: FileBacked, dtype: torch.dtype, device: torch.device) -> nn.M
 
 def _projection(module: FileBacked, formats: WeightFormats, exact_types: tuple[GGMLQuantizationType, ...]
                 ) -> nn.Module:
-    """A projection in `formats`: a dense Linear, or blocks, with the fp32 weight beside them unless every part's
-    blocks are exactly its weight."""
+    """A projection in `formats`: a dense Linear, or blocks, with the fp32 weight beside them where the kernels need
+    it (parts requantized from it, on the native route; see block_only_types)."""
     files = module.tensors["weight"]
     shape = (module.module.out_features, module.module.in_features)
     if formats.quant is None or shape[1] % GROUP_SIZE:  # blocks group 32 inputs: other widths stay dense
         return _dense(module, formats.dtype, formats.device)
-    if formats.block_kernels == "triton":  # the blocks alone, on the device
-        exact = all(t.qtype in EXACT_PANEL_TYPES[formats.quant] for t in files)
-        weight, parts, at = None if exact else module.floats(), [], 0
-        for t in files:
-            part = _blocks(t, formats.quant, None if weight is None else weight[at:at + t.shape[0]])
-            parts.append(BlockWeight(part.kind, part.qs.to(formats.device), part.d.to(formats.device),
-                                     None if part.m is None else part.m.to(formats.device)))
-            at += t.shape[0]
-        return BlockLinear(parts, None, shape, kernels="triton")
-    if all(t.qtype in exact_types for t in files):
-        return BlockLinear([_blocks(t, formats.quant, None) for t in files], None, shape)
-    weight = module.floats()  # fp32: what blocks that do not hold it exactly are requantized from
+    weight = None if all(t.qtype in exact_types for t in files) else module.floats()  # fp32, to requantize from
     parts, at = [], 0
     for t in files:
-        parts.append(_blocks(t, formats.quant, weight[at:at + t.shape[0]]))
+        parts.append(_blocks(t, formats.quant, None if weight is None else weight[at:at + t.shape[0]]))
         at += t.shape[0]
-    return BlockLinear(parts, weight.to(device=formats.device, dtype=formats.dtype), shape)
+    if formats.block_kernels == "triton":  # every product reads the blocks, on the device
+        return BlockLinear([p.to(formats.device) for p in parts], None, shape, kernels="triton")
+    dense = None if weight is None else weight.to(device=formats.device, dtype=formats.dtype)
+    return BlockLinear(parts, dense, shape)
 
 
 def _blocks(tensor: FileTensor, quant: str, weight: torch.Tensor | None) -> BlockWeight:

@@ -30,18 +30,13 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TYPES = (_Q.Q4_0, _Q.Q4_1, _Q.Q4_K, _Q.Q6_K, _Q.Q5_0, _Q.Q8_0)
 
 
-def on_device(block: BlockWeight) -> BlockWeight:
-    return BlockWeight(block.kind, block.qs.to(DEVICE), block.d.to(DEVICE),
-                       None if block.m is None else block.m.to(DEVICE))
-
-
 @pytest.mark.parametrize("rows", [1, 5, 40])  # the vector kernel (up to 16 rows), the dot one (tiles of 32 rows)
 def test_blocks_give_fp32_products_with_the_files_weights(rows: int) -> None:
     """A fused projection of every block type (Q4_0 / Q4_1 as fp16 scales, Q4_K as fp32 ones, Q6_K in halves, Q5_0
     and Q8_0 as int8 codes), weight rows past whole tiles: its products are the loader's dequantized weights' within
     fp32 rounding, and its weight is theirs."""
     made = [exact_blocks(qtype, n, 256, seed=n) for qtype, n in zip(TYPES, (13, 21, 11, 7, 18, 37))]
-    layer = BlockLinear([on_device(b) for b, _ in made], None, (107, 256), kernels="triton")
+    layer = BlockLinear([b.to(DEVICE) for b, _ in made], None, (107, 256), kernels="triton")
     assert [p.kind for p in layer.parts] == [Q4, Q4_F32, Q8_HALVES, Q8]
     weight = torch.cat([w for _, w in made])
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 3
@@ -57,7 +52,7 @@ def test_blocks_give_fp32_products_with_the_files_weights(rows: int) -> None:
 def test_activations_of_any_float_dtype_are_read_as_fp32(rows: int) -> None:
     """bf16 activations, and a width (96) that leaves the last tile of inputs partly filled."""
     block, weight = exact_blocks(_Q.Q4_1, 40, 96, seed=3)
-    layer = BlockLinear([on_device(block)], None, (40, 96), kernels="triton")
+    layer = BlockLinear([block.to(DEVICE)], None, (40, 96), kernels="triton")
     x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     expected = F.linear(x.double(), weight.double())
     bound = F.linear(x.abs().double(), weight.abs().double()) * 1e-6
@@ -84,7 +79,7 @@ def test_any_shape_gives_fp32_products(kind: int, rows: int, out_rows: int, bloc
         groups = 2 * blocks if kind == Q8_HALVES else blocks
         d = (torch.rand(out_rows, groups, generator=gen) / 200).to(torch.float32 if kind == Q8_HALVES else torch.float16)
         m = None
-    part = on_device(BlockWeight(kind, qs, d, m))
+    part = BlockWeight(kind, qs, d, m).to(DEVICE)
     layer = BlockLinear([part], None, (out_rows, cols), kernels="triton")
     weight = cuda_blocks.dequantize(kind, qs, d, m).double()
     x = torch.randn(rows, cols, generator=gen)

@@ -22,7 +22,7 @@ from nextoken.errors import NextokenError
 from nextoken.loader.gguf import read_gguf
 from nextoken.models.config import ModelConfig
 from nextoken.ops import native
-from nextoken.ops.quant_linear import BlockLinear, BlockWeight, q4_weight, q8_weight
+from nextoken.ops.quant_linear import BlockLinear, q4_weight, q8_weight
 from nextoken.parallel.group import TensorParallelError
 from nextoken.parallel.shard import Shard, ShardError, plan_shards, take_columns, take_rows
 from nextoken.sampling_params import SamplingParams
@@ -73,8 +73,7 @@ def test_split_projections_add_up_to_the_whole(kind: str, kernels: str) -> None:
     else:
         part = q8_weight(torch.randint(-127, 128, (rows, cols)), torch.rand(rows, cols // 32) / 64)
     device = "cuda" if kernels == "triton" and torch.cuda.is_available() else "cpu"
-    part = BlockWeight(part.kind, part.qs.to(device), part.d.to(device), None if part.m is None else part.m.to(device))
-    whole = BlockLinear([part], None, (rows, cols), kernels=kernels)
+    whole = BlockLinear([part.to(device)], None, (rows, cols), kernels=kernels)
     x = torch.randn(3, cols).to(device)
     expected = whole(x)
     picked = torch.tensor([1, 2, 3, 40, 41])

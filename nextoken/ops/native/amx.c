@@ -132,7 +132,7 @@ NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const floa
                     const __m512 dx = _mm512_set1_ps(xd[(first + u) * groups + g]);
                     const __m512 sx = IS_Q4(kind) ? _mm512_set1_ps(xs[(first + u) * groups + g]) : _mm512_setzero_ps();
                     for (int h = 0; h < 2; h++) {
-                        __m512i a = _mm512_load_si512(sums[bytes || level ? (bytes ? h : 4 + h) : h][t]);
+                        __m512i a = _mm512_load_si512(sums[level ? 4 + h : h][t]); /* hi or bytes; second */
                         if (!bytes && !level) /* 256 hi + lo */
                             a = _mm512_add_epi32(_mm512_slli_epi32(a, 8), _mm512_load_si512(sums[2 + h][t]));
                         f[u][h] = scale_group(f[u][h], a, pg.d[h], dx, IS_Q4(kind), pg.m[h], sx);
