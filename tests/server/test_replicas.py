@@ -196,7 +196,7 @@ def test_a_replica_killed_mid_load_fails_its_streams_clearly_and_is_replaced(ser
     wait_idle(server)
     pids = {r["replica"]: r["pid"] for r in _replicas(server) if r["live"]}
     assert len(pids) == 2
-    body = {"model": server.model, "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+    body = {"model": server.model, "max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
     async def run() -> list[tuple[str, str, Any]]:
         async with httpx.AsyncClient(timeout=60) as http:
@@ -207,7 +207,7 @@ def test_a_replica_killed_mid_load_fails_its_streams_clearly_and_is_replaced(ser
                 await asyncio.gather(*(event.wait() for event in started))  # began answers 503 instead)
             victim = sorted(pids)[0]
             os.kill(pids[victim], signal.SIGKILL)
-            async with asyncio.timeout(30):  # never a hang
+            async with asyncio.timeout(60):  # never a hang (the survivors' 400 tokens, on a busy machine too)
                 return list(await asyncio.gather(*tasks))
 
     results = asyncio.run(run())
