@@ -108,11 +108,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--k", type=int, default=None, help="num_speculative_tokens (default: the engine's)")
     ap.add_argument("--speculative", default="ngram", help="the proposer: ngram, draft:MODEL, self:L or head:N")
+    ap.add_argument("--fixed", action="store_true",
+                    help="propose K tokens at every step (no adaptive k: the proposer's ceiling, not a setting)")
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
     plain = LLM(args.model, dtype=args.dtype, activations=args.activations)
     spec = LLM(args.model, dtype=args.dtype, activations=args.activations, speculative=args.speculative,
                num_speculative_tokens=args.k)
+    if args.fixed and spec.engine.speculator is not None:
+        spec.engine.speculator.adaptive = False
     for llm in (plain, spec):
         llm.engine.runner.settle()
         llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(temperature=0, max_tokens=16),

@@ -9,7 +9,8 @@ be accepted one time in three.
 Unseeded sampled requests only: a seeded request keeps greedy proposals and the one-hot rule of
 engine/speculative.py, which draws exactly the tokens plain decoding draws with that seed.
 
-p and q are the distributions the sampler's draw defines (engine/sampler.py, steps a-g: `kept_weights`), normalized.
+p and q are the distributions the sampler's draw defines (engine/sampler.py, steps a-g: ops/sampling.py's
+`kept_weights`, natively where it can: `weigh_rows`), normalized.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nextoken.ops.sampling import kept_weights
+from nextoken.ops.sampling import weigh_rows
 from nextoken.sampling_params import SamplingParams
 
 
@@ -32,8 +33,8 @@ def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     """logits [rows, vocab] (after penalties and processors), one SamplingParams per row -> [rows, vocab] fp64, each
     row the distribution that row's draw samples from: the sampler's own kept weights, normalized (one-hot at the
     argmax for a greedy row)."""
-    weights = kept_weights(logits, [p.temperature for p in params], [p.top_k for p in params],
-                           [p.top_p for p in params], [p.min_p for p in params])
+    weights = weigh_rows(logits, [p.temperature for p in params], [p.top_k for p in params],
+                         [p.top_p for p in params], [p.min_p for p in params])
     return weights / weights.sum(dim=1, keepdim=True)
 
 

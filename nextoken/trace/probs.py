@@ -19,7 +19,7 @@ import torch
 
 from nextoken.engine.processors import apply_processors
 from nextoken.engine.sampler import SamplingRow, apply_penalties
-from nextoken.ops.sampling import kept_weights
+from nextoken.ops.sampling import weigh_rows
 from nextoken.sampling_params import SamplingParams
 
 
@@ -137,7 +137,7 @@ def sampling_distributions(logits: torch.Tensor, params: SamplingParams, prompt_
         final[int(x[0].argmax())] = 1.0
         return raw, tempered, final
     tempered = (x[0] / params.temperature).softmax(dim=-1)
-    kept = kept_weights(x, [params.temperature], [params.top_k], [params.top_p], [params.min_p])[0]
+    kept = weigh_rows(x, [params.temperature], [params.top_k], [params.top_p], [params.min_p])[0]
     return raw, tempered, (kept / kept.sum()).float()
 
 

@@ -298,3 +298,28 @@ def test_sampler_routes_give_the_same_tokens_step_after_step(device: str) -> Non
             for row, token in zip(rows[name], tokens[name]):
                 row.output_ids.append(token)
         assert tokens["native"] == tokens["torch"]
+
+
+@needs_native
+@pytest.mark.parametrize("build", ["avx512", "avx2", "portable"])
+def test_every_build_keeps_the_torch_routes_weights(builds: dict[str, ctypes.CDLL], build: str) -> None:
+    """nt_kept_weights against ops/sampling.py's kept_weights (the distributions the rejection rule weighs), weight
+    for weight: random rows up to 50,000 tokens with every parameter mix, and rows with nothing to weigh (a NaN, all
+    -inf, an infinite logit, a temperature whose inverse overflows), which weigh 1 at their argmax."""
+    kernels = builds[build]
+    rng = np.random.default_rng(200 + ["avx512", "avx2", "portable"].index(build))
+    for vocab in (1, 7, 16, 17, 100, 1025, 5000, 50_000):
+        for _ in range(6 if vocab < 10_000 else 2):
+            logits, params = random_case(rng, vocab, int(rng.integers(1, 6)))
+            got = native.kept_weights(kernels, logits, *params)
+            want = sampling.kept_weights(logits, *params)
+            assert torch.equal(got, want), (build, vocab, params)
+    odd = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    odd[0, [7, 30]] = float("nan")
+    odd[1] = -float("inf")
+    odd[2, 9] = float("inf")
+    params = [1.0, 1.0, 1.0, 1e-320], [0, 3, 0, 0], [1.0, 0.5, 1.0, 1.0], [0.0] * 4
+    got = native.kept_weights(kernels, odd, *params)
+    assert torch.equal(got, sampling.kept_weights(odd, *params))
+    assert [int(row.nonzero()[0, 0]) for row in got] == [7, 0, 9, int(odd[3].argmax())]
+    assert got.sum(dim=1).tolist() == [1.0] * 4

@@ -361,6 +361,28 @@ def sample_rows(lib: ctypes.CDLL, logits: torch.Tensor, temperature: list[float]
     return list(out)
 
 
+_SIGNATURES["nt_kept_weights"] = (_i32, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32])
+
+
+def kept_weights(lib: ctypes.CDLL, logits: torch.Tensor, temperature: list[float], top_k: list[int],
+                 top_p: list[float], min_p: list[float]) -> torch.Tensor:
+    """Per row of fp32 logits [M, N] (unit column stride), the weights [M, N] (fp64, units of 2^-Q) its draw takes
+    after temperature, top-k, top-p and min-p, 0 for the tokens they drop (nt_kept_weights): ops/sampling.py's
+    kept_weights, in one call."""
+    _check(logits)
+    if logits.shape[1] >= 2**31:
+        raise ValueError(f"kept_weights: rows of {logits.shape[1]} tokens; the kernels take fewer than 2^31")
+    rows = logits.shape[0]
+    i64, f64 = ctypes.c_int64 * rows, ctypes.c_double * rows
+    arrays = f64(*temperature), i64(*top_k), f64(*top_p), f64(*min_p)
+    out = torch.empty(rows, logits.shape[1], dtype=torch.float64)  # [M, N]: every entry written
+    if lib.nt_kept_weights(logits.data_ptr(), rows, logits.shape[1], logits.stride(0),
+                           *(ctypes.addressof(a) for a in arrays), out.data_ptr(), out.stride(0),
+                           torch.get_num_threads()):
+        raise MemoryError(f"kept_weights: no memory for the scratch of {logits.shape[1]}-entry rows")
+    return out
+
+
 _SIGNATURES["nt_mask_rows"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64])
 
 

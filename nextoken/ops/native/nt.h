@@ -206,6 +206,9 @@ NT_API void nt_argmax_rows(const float *x, int64_t M, int64_t N, int64_t ld, int
 NT_API int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
                           const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
                           int64_t *out, int threads);
+NT_API int nt_kept_weights(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
+                           const int64_t *top_k, const double *top_p, const double *min_p, double *out, int64_t ldo,
+                           int threads);
 NT_API void nt_mask_rows(float *logits, int64_t M, int64_t N, int64_t ld, const int64_t *rows, const uint32_t *masks,
                          int64_t words);
 

@@ -396,12 +396,12 @@ typedef struct {
 /* Widening cuts on x for the ranked prefix: 1e-2, 1e-5 and 1e-8 of the best token's weight. */
 static const double RANK_CUTS[] = {-4.605170185988091, -11.512925464970229, -18.420680743952367};
 
-/* The draw where top-k or top-p ranks the row: the tokens above a cut on x (the first in the row's order), the cut
- * widened until they hold the top-k set or top-p's nucleus (at the last, every token of weight above 0); then top-k,
- * top-p, min-p and the walk in id order. With top-k only the top-k set is weighed; top-p alone weighs the whole row
- * first (it normalizes over it). */
-static int64_t ranked_draw(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
-                           double top_p, double least, int bits, double cut, double u, const draw_scratch *s) {
+/* The tokens a ranked row keeps (top-k or top-p ranks it): the tokens above a cut on x (the first in the row's
+ * order), the cut widened until they hold the top-k set or top-p's nucleus (at the last, every token of weight above
+ * 0); then top-k, top-p and min-p. Into s->r [0, kept), in no particular order; returns kept, their weights' sum into
+ * *sum. With top-k only the top-k set is weighed; top-p alone weighs the whole row first (it normalizes over it). */
+static int64_t ranked_keep(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
+                           double top_p, double least, int bits, double cut, const draw_scratch *s, double *sum) {
     const int by_k = top_k > 0, by_p = top_p < 1.0;
     const size_t num_cuts = sizeof RANK_CUTS / sizeof *RANK_CUTS;
     ranked *r = s->r;
@@ -429,9 +429,18 @@ static int64_t ranked_draw(const float *l, int64_t n, float top, double temperat
     }
     const int64_t keep = by_p ? nucleus(r, mk, top_p * total) : mk;
     int64_t kept = 0;
-    double sum = 0.0;
+    *sum = 0.0;
     for (int64_t j = 0; j < keep; j++)
-        if (r[j].w > 0.0 && r[j].w >= least) sum += (r[kept++] = r[j]).w;
+        if (r[j].w > 0.0 && r[j].w >= least) *sum += (r[kept++] = r[j]).w;
+    return kept;
+}
+
+/* The draw where top-k or top-p ranks the row: ranked_keep's tokens, then the walk in id order. */
+static int64_t ranked_draw(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
+                           double top_p, double least, int bits, double cut, double u, const draw_scratch *s) {
+    double sum;
+    const int64_t kept = ranked_keep(l, n, top, temperature, inv_t, top_k, top_p, least, bits, cut, s, &sum);
+    ranked *r = s->r;
     const double target = u * sum;
     if (kept * 16 <= n) { /* few: in id order by a sort */
         qsort(r, (size_t)kept, sizeof *r, by_id);
@@ -445,32 +454,77 @@ static int64_t ranked_draw(const float *l, int64_t n, float top, double temperat
     return draw_walk(s->w, n, target);
 }
 
-/* One row's draw (engine/sampler.py's definition): temperature, top-k (0: none), top-p (1: none) over the top-k set,
- * min-p (0: none), then the token at u in [0, 1) of the kept weights in id order. */
-static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
-                          double u, const draw_scratch *s) {
+/* A row's filters as the draw applies them (engine/sampler.py's definition): temperature, top-k (0: none), top-p
+ * (1: none) over the top-k set, min-p (0: none). */
+typedef struct {
+    float top;
+    double temperature, inv_t, top_p, least, cut;
+    int64_t top_k; /* 0 unless it ranks the row */
+    int bits, by_p, by_min;
+} draw_plan;
+
+/* The row's plan; 0 where it has nothing to weigh (a NaN, no finite largest logit, no finite positive 1 / T): it
+ * draws its argmax. */
+static int plan_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                    draw_plan *p) {
     int nan = 0;
-    const float top = row_top(l, n, &nan);
-    const double inv_t = 1.0 / temperature;
-    /* nothing to weigh (a NaN, no finite largest logit, no finite positive 1 / T): the argmax */
-    if (nan || !(fabsf(top) < INFINITY) || !(inv_t > 0.0 && inv_t < INFINITY)) return argmax_row(l, n);
-    const int by_k = top_k > 0 && top_k < n, by_p = top_p < 1.0, by_min = min_p > 0.0;
-    const int bits = draw_bits(n);
-    const double least = by_min ? ldexp(min_p, bits) : 0.0; /* w >= min_p, in units of 2^-Q */
+    p->top = row_top(l, n, &nan);
+    p->temperature = temperature, p->inv_t = 1.0 / temperature;
+    if (nan || !(fabsf(p->top) < INFINITY) || !(p->inv_t > 0.0 && p->inv_t < INFINITY)) return 0;
+    p->top_k = top_k > 0 && top_k < n ? top_k : 0;
+    p->top_p = top_p, p->by_p = top_p < 1.0, p->by_min = min_p > 0.0;
+    p->bits = draw_bits(n);
+    p->least = p->by_min ? ldexp(min_p, p->bits) : 0.0; /* w >= min_p, in units of 2^-Q */
     /* min-p without top-p needs no weight that min-p drops: those of x below log(min_p) by a margin no error of E
      * bridges */
-    double cut = DRAW_CUT;
-    if (by_min && !by_p && log(min_p) - 0.01 > cut) cut = log(min_p) - 0.01;
-    if (by_k || by_p)
-        return ranked_draw(l, n, top, temperature, inv_t, by_k ? top_k : 0, top_p, least, bits, cut, u, s);
-    if (by_min) { /* its own tokens, gathered: min-p keeps few */
-        const int64_t m = draw_candidates(l, n, top, temperature, inv_t, cut, s->x, s->id);
+    p->cut = DRAW_CUT;
+    if (p->by_min && !p->by_p && log(min_p) - 0.01 > p->cut) p->cut = log(min_p) - 0.01;
+    return 1;
+}
+
+/* One row's draw: the token at u in [0, 1) of the kept weights in id order. */
+static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                          double u, const draw_scratch *s) {
+    draw_plan p;
+    if (!plan_row(l, n, temperature, top_k, top_p, min_p, &p)) return argmax_row(l, n);
+    if (p.top_k || p.by_p)
+        return ranked_draw(l, n, p.top, p.temperature, p.inv_t, p.top_k, p.top_p, p.least, p.bits, p.cut, u, s);
+    if (p.by_min) { /* its own tokens, gathered: min-p keeps few */
+        const int64_t m = draw_candidates(l, n, p.top, p.temperature, p.inv_t, p.cut, s->x, s->id);
         double total = 0.0;
-        draw_weights(s->x, m, bits, s->w);
-        for (int64_t j = 0; j < m; j++) total += s->w[j] = s->w[j] >= least ? s->w[j] : 0.0;
+        draw_weights(s->x, m, p.bits, s->w);
+        for (int64_t j = 0; j < m; j++) total += s->w[j] = s->w[j] >= p.least ? s->w[j] : 0.0;
         return s->id[draw_walk(s->w, m, u * total)];
     }
-    return draw_walk(s->w, n, u * row_weights(l, n, top, temperature, inv_t, bits, s->w));
+    return draw_walk(s->w, n, u * row_weights(l, n, p.top, p.temperature, p.inv_t, p.bits, s->w));
+}
+
+/* One row's kept weights into w [n] (units of 2^-Q, 0 for every token the filters drop): what sample_row draws
+ * from, normalized by their sum; a row with nothing to weigh weighs 1 at its argmax. */
+static void keep_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                     const draw_scratch *s, double *w) {
+    draw_plan p;
+    if (!plan_row(l, n, temperature, top_k, top_p, min_p, &p)) {
+        memset(w, 0, (size_t)n * sizeof *w);
+        w[argmax_row(l, n)] = 1.0;
+        return;
+    }
+    if (p.top_k || p.by_p) {
+        double sum;
+        const int64_t kept = ranked_keep(l, n, p.top, p.temperature, p.inv_t, p.top_k, p.top_p, p.least, p.bits,
+                                         p.cut, s, &sum);
+        memset(w, 0, (size_t)n * sizeof *w);
+        for (int64_t j = 0; j < kept; j++) w[s->r[j].id] = s->r[j].w;
+        return;
+    }
+    if (p.by_min) {
+        const int64_t m = draw_candidates(l, n, p.top, p.temperature, p.inv_t, p.cut, s->x, s->id);
+        draw_weights(s->x, m, p.bits, s->w);
+        memset(w, 0, (size_t)n * sizeof *w);
+        for (int64_t j = 0; j < m; j++) w[s->id[j]] = s->w[j] >= p.least ? s->w[j] : 0.0;
+        return;
+    }
+    row_weights(l, n, p.top, p.temperature, p.inv_t, p.bits, w);
 }
 
 /* Per row r of logits [M, N] (row stride ld, N < 2^31), the token drawn at uniforms[r] in [0, 1) after
@@ -495,6 +549,31 @@ int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const 
             if (ok)
                 out[r] = sample_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r],
                                     &s);
+        free(s.x), free(s.w), free(s.id), free(s.r);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Per row r of logits [M, N] (row stride ld, N < 2^31), the weights its draw takes after temperature[r], top_k[r],
+ * top_p[r] and min_p[r] (keep_row: units of 2^-Q, 0 where dropped) into out [M, N] (row stride ldo); rows split
+ * across threads. Returns -1 without memory. */
+int nt_kept_weights(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
+                    const int64_t *top_k, const double *top_p, const double *min_p, double *out, int64_t ldo,
+                    int threads) {
+    if (N > INT32_MAX) return -1;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (threads > 1 && M > 1)
+    {
+        draw_scratch s = {malloc((size_t)(N + 16) * sizeof(double)), malloc((size_t)N * sizeof(double)),
+                          malloc((size_t)(N + 16) * sizeof(int32_t)), malloc((size_t)N * sizeof(ranked))};
+        const int ok = s.x && s.w && s.id && s.r;
+        if (!ok) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < M; r++)
+            if (ok) keep_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], &s, out + r * ldo);
         free(s.x), free(s.w), free(s.id), free(s.r);
     }
     return failed ? -1 : 0;
