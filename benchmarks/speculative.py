@@ -5,9 +5,10 @@ temperature 1 with a seed: speculation draws the same tokens, so both sides deco
 the rejection rule: the same distribution of texts, not the same text).
 
 Run: .venv/bin/python -m benchmarks.speculative [--model NAME] [--dtype D] [--activations int16|int8] [--max-tokens N]
-     [--repeats N] [--k K] [--speculative ngram|draft:MODEL|self:L|head:N] [--only ...]
+     [--repeats N] [--k K] [--speculative ngram|draft:MODEL|self:L|head:N] [--fixed] [--only ...]
 One process, one model loaded twice (plain, and with `speculative=...`); each prompt runs on both, taking turns
 `--repeats` times, and the medians of decode tokens/s (first token to last) are compared: the ratio is the speed-up.
+`--fixed` verifies every proposal at its full length K (no adaptive k): what a proposer can give where it is kept.
 Acceptance: accepted / proposed tokens; mean accepted length: accepted tokens per verifying step. The outputs of both
 sides are checked identical. The CPU is named (lscpu), since whether a k-row pass costs about one row's time, which
 is what speculation sells, depends on it (docs/speculative.md).
