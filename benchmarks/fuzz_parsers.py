@@ -46,6 +46,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix=f"fuzz-{args.target}-"))
     corpus = args.corpus or workdir / "corpus"
     corpus.mkdir(parents=True, exist_ok=True)
+    args.artifacts.mkdir(parents=True, exist_ok=True)  # libFuzzer writes there but does not make it
     for i, data in enumerate(seeds(args.target, workdir)):
         (corpus / f"seed-{i}").write_bytes(data)
     words = workdir / "words.dict"

@@ -111,6 +111,12 @@ class ModelConfig:
             return value
 
         num_layers = get("block_count")
+        # Bounded by the file before anything is sized by it (a tuple per layer below, the blocks built later): a
+        # count of a billion in a 30 KB file would otherwise take gigabytes before any tensor is found missing.
+        held = {name.split(".")[1] for name in gguf.tensors if name.startswith("blk.")}
+        if num_layers > len(held):
+            raise ModelLoadError(gguf.path, f"metadata '{arch}.block_count' is {num_layers}, but the file holds "
+                                            f"tensors for {len(held)} blocks")
         hidden = get("embedding_length")
         num_heads = get("attention.head_count")
         num_kv_heads = get("attention.head_count_kv", num_heads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import struct
 from pathlib import Path
 
@@ -170,6 +171,8 @@ def test_duplicate_and_overlapping_tensors(tmp_path: Path) -> None:
     ({"tokenizer.ggml.eos_token_id": ("uint32", 10**6)}, (), "outside the vocabulary"),
     ({"llama.attention.head_count_kv": ("uint32", 3)}, (), "not a multiple"),
     ({"llama.block_count": ("string", "two")}, (), "must be a int"),
+    ({"llama.block_count": ("uint32", 822_083_585)}, (), "'llama.block_count' is 822083585, but the file holds "
+                                                        "tensors for 2 blocks"),
 ])
 def test_bad_metadata_raises_model_load_error(tmp_path: Path, overrides: dict, drop: tuple, message: str) -> None:
     path = tmp_path / "m.gguf"
@@ -181,9 +184,11 @@ def test_bad_metadata_raises_model_load_error(tmp_path: Path, overrides: dict, d
         path.write_bytes(data)
     else:
         write_tiny_model(path, "llama", overrides=overrides, drop=drop)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with pytest.raises(ModelLoadError) as err:
         ModelConfig.from_gguf(read_gguf(path))
     assert message in str(err.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 64 << 10  # KiB: nothing sized by the bad value
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
