@@ -114,6 +114,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, metavar="NAME", help="only these prompts (e.g. edit:list)")
     args = ap.parse_args()
     plain = LLM(args.model, dtype=args.dtype, activations=args.activations)
+    # The plain engine's weights on their final pages first: the speculative engine times its passes as it loads,
+    # and a copy running beside them would make verifying look dearer than it is
+    plain.engine.runner.settle()
     spec = LLM(args.model, dtype=args.dtype, activations=args.activations, speculative=args.speculative,
                num_speculative_tokens=args.k)
     if args.fixed and spec.engine.speculator is not None:
