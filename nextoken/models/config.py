@@ -121,6 +121,10 @@ class ModelConfig:
         num_heads = get("attention.head_count")
         num_kv_heads = get("attention.head_count_kv", num_heads)
         head_dim = get("attention.key_length", hidden // num_heads)
+        if head_dim <= 0:  # no key_length, and more heads than the hidden size has values
+            raise ModelLoadError(gguf.path, f"metadata '{arch}.attention.head_count' is {num_heads}, more heads than "
+                                            f"'{arch}.embedding_length' ({hidden}) has values, and no "
+                                            f"'{arch}.attention.key_length' gives their size")
         if get("attention.value_length", head_dim) != head_dim:
             raise ModelLoadError(gguf.path, "key and value head sizes differ; not supported")
         if num_heads % num_kv_heads:

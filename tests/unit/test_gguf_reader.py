@@ -171,6 +171,8 @@ def test_duplicate_and_overlapping_tensors(tmp_path: Path) -> None:
     ({"tokenizer.ggml.eos_token_id": ("uint32", 10**6)}, (), "outside the vocabulary"),
     ({"llama.attention.head_count_kv": ("uint32", 3)}, (), "not a multiple"),
     ({"llama.block_count": ("string", "two")}, (), "must be a int"),
+    ({"llama.attention.head_count": ("uint32", 128)}, (), "'llama.attention.head_count' is 128, more heads than "
+                                                        "'llama.embedding_length' (64) has values"),
     ({"llama.block_count": ("uint32", 822_083_585)}, (), "'llama.block_count' is 822083585, but the file holds "
                                                         "tensors for 2 blocks"),
 ])
