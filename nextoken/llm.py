@@ -254,6 +254,9 @@ class LLM:
                     engine.abort(rid)
             engine.release_threads()  # the next call may come from another thread
         failed = [rid for rid, req in done.items() if req.finish_reason == "error"]
+        for rid in failed:
+            if done[rid].error is not None:  # the request's own settings: its error, not the engine's
+                raise done[rid].error
         if failed:
             raise NextokenError(f"generation failed inside the engine for request(s) {', '.join(failed)}; "
                                 "see the nextoken.engine log")

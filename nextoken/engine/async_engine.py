@@ -340,7 +340,8 @@ class AsyncEngine:
                 del self._owners[out.request_id]
             if out.finish_reason == "error":
                 self._abort([r.request_id for r in group.requests])
-                self._deliver(group, EngineFailure("the engine failed while generating this request"))
+                own = out.request.error if out.request is not None else None  # the request's own doing: a 400
+                self._deliver(group, own or EngineFailure("the engine failed while generating this request"))
             elif not self._deliver(group, (index, out)):
                 self._abort([r.request_id for r in group.requests])
 

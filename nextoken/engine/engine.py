@@ -370,6 +370,10 @@ class LLMEngine:
             # Only where other processors banned every token the grammar allowed (or a fault): never silently
             # past the grammar.
             log.error("request %s: token %d breaks its grammar (%s)", req.request_id, token_id, req.grammar.error)
+            req.error = InvalidInput(
+                f"no token is left at output position {len(req.output_ids) - 1}: the structured output's grammar and the "
+                f"request's other token constraints (allowed_token_ids, bad_words, logit_bias, min_tokens) exclude "
+                f"every token", param="structured_outputs")
             return self._fail(live)
         if token_id in req.stop_ids:
             stop = ("stop", token_id)

@@ -65,6 +65,9 @@ class Request:
         self.prompt_token_logprobs: list[tuple[float, int] | None] = []
         self.beams: list[Any] | None = None  # a finished beam search's best hypotheses (engine/beam.py)
         self.grammar: Any = None  # structured output's GrammarMatcher (engine/grammar.py), advanced per token
+        # Why the engine ended this request with finish_reason "error", where the request's own settings did it (a
+        # NextokenError its caller gets, a 400 from the server); None for a fault of the engine's.
+        self.error: Any = None
         # Speculative decoding: the tokens proposed to follow all_ids, to be verified in the next step, and the
         # proposer's own state for this sequence (engine/speculative.py).
         self.spec_ids: list[int] = []

@@ -65,6 +65,12 @@ class Operation:
     links: tuple[tuple[str, str, dict[str, str]], ...] = ()  # (name, target operation id, requestBody expressions)
 
 
+# One event of a stream (OpenAPI 3.1 reads a text/event-stream `schema` per event, as the WHATWG parser yields
+# them): its data is a JSON chunk of the route's streaming body, or "[DONE]" last.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                             "retry": {"type": "integer"}}}
+
 _FROM_MODELS = {"model": "$response.body#/data/0/id"}
 _FROM_TOKENS = "$request.body#/model"
 
@@ -117,7 +123,7 @@ def _operation(op: Operation, api_key: bool) -> dict[str, Any]:
     else:
         ok = {"application/json": {"schema": _ref(op.response)}}
     if op.streams:
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+        ok["text/event-stream"] = {"schema": _SSE_EVENT}
     responses: dict[str, Any] = {"200": {"description": "success", "content": ok}}
     errors = (*op.errors, 401) if api_key and op.needs_key else op.errors
     for status in sorted(errors):

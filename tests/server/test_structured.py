@@ -8,6 +8,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 
+import httpx
 import jsonschema
 import openai
 import pytest
@@ -145,6 +146,33 @@ def test_bad_schemas_and_tool_requests_are_a_400_naming_the_field(client: openai
         client.post("/chat/completions", body=request, cast_to=dict)
     error = info.value.body
     assert isinstance(error, dict) and error["param"] == param and words in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_constraints_that_leave_no_token_fail_the_request_alone_naming_them(client: openai.OpenAI,
+                                                                             server: ServerProcess,
+                                                                             stream: bool) -> None:
+    """A JSON schema, whose answer opens with '{', and allowed_token_ids that hold only a word: no token satisfies
+    both. The request ends with a 400 naming structured_outputs (streamed: an error event after the status line), not
+    an internal error; the next request is served as before."""
+    word = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello"}, timeout=30).json()["tokens"]
+    request = {"model": MODEL, "messages": ask("hi"), "max_tokens": 8, "allowed_token_ids": word,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CONTACT}}}
+    message = "the structured output's grammar and the request's other token constraints"
+    if not stream:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.post("/chat/completions", body=request, cast_to=dict)
+        error = info.value.body
+        assert isinstance(error, dict) and error["param"] == "structured_outputs" and message in error["message"]
+    else:
+        with pytest.raises(openai.APIError) as info:
+            extra = {"allowed_token_ids": request.pop("allowed_token_ids")}  # not the official client's own field
+            for _ in client.chat.completions.create(stream=True, extra_body=extra, **request):  # type: ignore
+                pass
+        assert message in str(info.value.message)
+    reply = client.chat.completions.create(model=MODEL, messages=ask("What is the capital of France?"),
+                                           temperature=0, max_tokens=8)
+    assert reply.choices[0].message.content
 
 
 def run_tools(client: openai.OpenAI, messages: list, stream: bool, **options: object) -> tuple[dict, str | None]:
