@@ -347,9 +347,11 @@ class LLMEngine:
                               finished=True, finish_reason=root.finish_reason, num_prompt_tokens=len(root.prompt_ids),
                               num_output_tokens=len(root.output_ids), request=root)]
 
-    def _fail(self, live: _Live) -> RequestOutput:
-        """End a request whose processing raised: finish_reason "error", blocks freed, the others go on."""
+    def _fail(self, live: _Live, error: NextokenError | None = None) -> RequestOutput:
+        """End a request whose processing raised: finish_reason "error", blocks freed, the others go on. `error`:
+        where the request's own settings caused it, what its caller is told (Request.error)."""
         req = live.request
+        req.error = error
         self._live.pop(req.request_id, None)
         if not req.is_finished:
             self.scheduler.finish(req, "error")
@@ -370,11 +372,10 @@ class LLMEngine:
             # Only where other processors banned every token the grammar allowed (or a fault): never silently
             # past the grammar.
             log.error("request %s: token %d breaks its grammar (%s)", req.request_id, token_id, req.grammar.error)
-            req.error = InvalidInput(
+            return self._fail(live, InvalidInput(
                 f"no token is left at output position {len(req.output_ids) - 1}: the structured output's grammar and the "
                 f"request's other token constraints (allowed_token_ids, bad_words, logit_bias, min_tokens) exclude "
-                f"every token", param="structured_outputs")
-            return self._fail(live)
+                f"every token", param="structured_outputs"))
         if token_id in req.stop_ids:
             stop = ("stop", token_id)
             delta = live.text.finish()

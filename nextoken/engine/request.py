@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from nextoken.errors import NextokenError
 from nextoken.sampling_params import SamplingParams
 
 
@@ -67,7 +68,7 @@ class Request:
         self.grammar: Any = None  # structured output's GrammarMatcher (engine/grammar.py), advanced per token
         # Why the engine ended this request with finish_reason "error", where the request's own settings did it (a
         # NextokenError its caller gets, a 400 from the server); None for a fault of the engine's.
-        self.error: Any = None
+        self.error: NextokenError | None = None
         # Speculative decoding: the tokens proposed to follow all_ids, to be verified in the next step, and the
         # proposer's own state for this sequence (engine/speculative.py).
         self.spec_ids: list[int] = []

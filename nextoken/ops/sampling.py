@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from nextoken.ops import native
+
 # E(x) = p(r) 2^n, n = round(x log2 e) (ties to even), r = (x - n LN2_HI) - n LN2_LO: ln 2 in two parts, the first
 # with 29 significant bits, so n LN2_HI is exact. p: Taylor's polynomial for e^r by Horner, highest term first
 # (1/11! ... 1/2!, 1, 1), truncated under 1e-14 for |r| <= ln2 / 2. Hex so that C and Python read the same doubles.
@@ -302,8 +304,6 @@ def weigh_rows(logits: torch.Tensor, temperature: list[float], top_k: list[int],
                min_p: list[float]) -> torch.Tensor:
     """kept_weights on the fastest route for these rows: on the CPU one native call (nt_kept_weights) where the
     kernels are built, weight for weight the same (tests/unit/test_draw_routes.py); else the torch route above."""
-    from nextoken.ops import native  # not at import: the kernels build at first use
-
     lib = native.library() if logits.device.type == "cpu" else None
     if lib is None:
         return kept_weights(logits, temperature, top_k, top_p, min_p)

@@ -139,6 +139,20 @@ def test_the_mask_is_applied_with_the_other_processors_in_one_batch(llm: LLM) ->
     assert not Sampler.argmax_only([SamplingParams(temperature=0, structured_outputs=StructuredOutputs(regex="a"))])
 
 
+def test_constraints_that_leave_no_token_raise_naming_them(llm: LLM) -> None:
+    """A regex of digits with allowed_token_ids holding only a letter: no token satisfies both. The request fails
+    alone with an InvalidInput naming structured_outputs (not the engine's generic failure), its blocks come back,
+    and the next request runs."""
+    letter = llm.engine.tokenizer.token_to_id("a")
+    params = SamplingParams(temperature=0, max_tokens=4, allowed_token_ids=[letter],
+                            structured_outputs=StructuredOutputs(regex="[0-9]+"))
+    with pytest.raises(InvalidInput, match="no token is left at output position 0") as info:
+        llm.generate("hello", params, use_tqdm=False)
+    assert info.value.param == "structured_outputs"
+    llm.engine.block_manager.check_integrity(expected_refs={})
+    assert llm.generate("hello", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].token_ids
+
+
 @pytest.mark.parametrize("model", ["llm", "gemma_llm"])
 def test_200_samples_at_temperature_1_all_parse_and_validate(model: str, request: pytest.FixtureRequest) -> None:
     engine_llm: LLM = request.getfixturevalue(model)

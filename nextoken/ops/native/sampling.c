@@ -396,13 +396,43 @@ typedef struct {
 /* Widening cuts on x for the ranked prefix: 1e-2, 1e-5 and 1e-8 of the best token's weight. */
 static const double RANK_CUTS[] = {-4.605170185988091, -11.512925464970229, -18.420680743952367};
 
+/* A row's filters as the draw applies them (engine/sampler.py's definition): temperature, top-k (0: none), top-p
+ * (1: none) over the top-k set, min-p (0: none). */
+typedef struct {
+    float top;
+    double temperature, inv_t, top_p, least, cut;
+    int64_t top_k; /* 0 unless it ranks the row */
+    int bits, by_p, by_min;
+} draw_plan;
+
+/* The row's plan; 0 where it has nothing to weigh (a NaN, no finite largest logit, no finite positive 1 / T): it
+ * draws its argmax. */
+static int plan_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
+                    draw_plan *p) {
+    int nan = 0;
+    p->top = row_top(l, n, &nan);
+    p->temperature = temperature, p->inv_t = 1.0 / temperature;
+    if (nan || !(fabsf(p->top) < INFINITY) || !(p->inv_t > 0.0 && p->inv_t < INFINITY)) return 0;
+    p->top_k = top_k > 0 && top_k < n ? top_k : 0;
+    p->top_p = top_p, p->by_p = top_p < 1.0, p->by_min = min_p > 0.0;
+    p->bits = draw_bits(n);
+    p->least = p->by_min ? ldexp(min_p, p->bits) : 0.0; /* w >= min_p, in units of 2^-Q */
+    /* min-p without top-p needs no weight that min-p drops: those of x below log(min_p) by a margin no error of E
+     * bridges */
+    p->cut = DRAW_CUT;
+    if (p->by_min && !p->by_p && log(min_p) - 0.01 > p->cut) p->cut = log(min_p) - 0.01;
+    return 1;
+}
+
 /* The tokens a ranked row keeps (top-k or top-p ranks it): the tokens above a cut on x (the first in the row's
  * order), the cut widened until they hold the top-k set or top-p's nucleus (at the last, every token of weight above
  * 0); then top-k, top-p and min-p. Into s->r [0, kept), in no particular order; returns kept, their weights' sum into
  * *sum. With top-k only the top-k set is weighed; top-p alone weighs the whole row first (it normalizes over it). */
-static int64_t ranked_keep(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
-                           double top_p, double least, int bits, double cut, const draw_scratch *s, double *sum) {
-    const int by_k = top_k > 0, by_p = top_p < 1.0;
+static int64_t ranked_keep(const float *l, int64_t n, const draw_plan *p, const draw_scratch *s, double *sum) {
+    const float top = p->top;
+    const double temperature = p->temperature, inv_t = p->inv_t, top_p = p->top_p, least = p->least, cut = p->cut;
+    const int64_t top_k = p->top_k;
+    const int bits = p->bits, by_k = top_k > 0, by_p = p->by_p;
     const size_t num_cuts = sizeof RANK_CUTS / sizeof *RANK_CUTS;
     ranked *r = s->r;
     /* what top-p normalizes over: the whole row's weight, or the top-k set's (below) */
@@ -436,10 +466,9 @@ static int64_t ranked_keep(const float *l, int64_t n, float top, double temperat
 }
 
 /* The draw where top-k or top-p ranks the row: ranked_keep's tokens, then the walk in id order. */
-static int64_t ranked_draw(const float *l, int64_t n, float top, double temperature, double inv_t, int64_t top_k,
-                           double top_p, double least, int bits, double cut, double u, const draw_scratch *s) {
+static int64_t ranked_draw(const float *l, int64_t n, const draw_plan *p, double u, const draw_scratch *s) {
     double sum;
-    const int64_t kept = ranked_keep(l, n, top, temperature, inv_t, top_k, top_p, least, bits, cut, s, &sum);
+    const int64_t kept = ranked_keep(l, n, p, s, &sum);
     ranked *r = s->r;
     const double target = u * sum;
     if (kept * 16 <= n) { /* few: in id order by a sort */
@@ -454,32 +483,14 @@ static int64_t ranked_draw(const float *l, int64_t n, float top, double temperat
     return draw_walk(s->w, n, target);
 }
 
-/* A row's filters as the draw applies them (engine/sampler.py's definition): temperature, top-k (0: none), top-p
- * (1: none) over the top-k set, min-p (0: none). */
-typedef struct {
-    float top;
-    double temperature, inv_t, top_p, least, cut;
-    int64_t top_k; /* 0 unless it ranks the row */
-    int bits, by_p, by_min;
-} draw_plan;
-
-/* The row's plan; 0 where it has nothing to weigh (a NaN, no finite largest logit, no finite positive 1 / T): it
- * draws its argmax. */
-static int plan_row(const float *l, int64_t n, double temperature, int64_t top_k, double top_p, double min_p,
-                    draw_plan *p) {
-    int nan = 0;
-    p->top = row_top(l, n, &nan);
-    p->temperature = temperature, p->inv_t = 1.0 / temperature;
-    if (nan || !(fabsf(p->top) < INFINITY) || !(p->inv_t > 0.0 && p->inv_t < INFINITY)) return 0;
-    p->top_k = top_k > 0 && top_k < n ? top_k : 0;
-    p->top_p = top_p, p->by_p = top_p < 1.0, p->by_min = min_p > 0.0;
-    p->bits = draw_bits(n);
-    p->least = p->by_min ? ldexp(min_p, p->bits) : 0.0; /* w >= min_p, in units of 2^-Q */
-    /* min-p without top-p needs no weight that min-p drops: those of x below log(min_p) by a margin no error of E
-     * bridges */
-    p->cut = DRAW_CUT;
-    if (p->by_min && !p->by_p && log(min_p) - 0.01 > p->cut) p->cut = log(min_p) - 0.01;
-    return 1;
+/* A row that min-p alone filters: its candidates (x at or above p's cut, in id order) into s->id [0, m) with their
+ * weights in s->w, 0 for those below min-p; returns m, the weights' sum into *total. */
+static int64_t min_p_keep(const float *l, int64_t n, const draw_plan *p, const draw_scratch *s, double *total) {
+    const int64_t m = draw_candidates(l, n, p->top, p->temperature, p->inv_t, p->cut, s->x, s->id);
+    draw_weights(s->x, m, p->bits, s->w);
+    *total = 0.0;
+    for (int64_t j = 0; j < m; j++) *total += s->w[j] = s->w[j] >= p->least ? s->w[j] : 0.0;
+    return m;
 }
 
 /* One row's draw: the token at u in [0, 1) of the kept weights in id order. */
@@ -488,12 +499,10 @@ static int64_t sample_row(const float *l, int64_t n, double temperature, int64_t
     draw_plan p;
     if (!plan_row(l, n, temperature, top_k, top_p, min_p, &p)) return argmax_row(l, n);
     if (p.top_k || p.by_p)
-        return ranked_draw(l, n, p.top, p.temperature, p.inv_t, p.top_k, p.top_p, p.least, p.bits, p.cut, u, s);
+        return ranked_draw(l, n, &p, u, s);
     if (p.by_min) { /* its own tokens, gathered: min-p keeps few */
-        const int64_t m = draw_candidates(l, n, p.top, p.temperature, p.inv_t, p.cut, s->x, s->id);
-        double total = 0.0;
-        draw_weights(s->x, m, p.bits, s->w);
-        for (int64_t j = 0; j < m; j++) total += s->w[j] = s->w[j] >= p.least ? s->w[j] : 0.0;
+        double total;
+        const int64_t m = min_p_keep(l, n, &p, s, &total);
         return s->id[draw_walk(s->w, m, u * total)];
     }
     return draw_walk(s->w, n, u * row_weights(l, n, p.top, p.temperature, p.inv_t, p.bits, s->w));
@@ -511,28 +520,28 @@ static void keep_row(const float *l, int64_t n, double temperature, int64_t top_
     }
     if (p.top_k || p.by_p) {
         double sum;
-        const int64_t kept = ranked_keep(l, n, p.top, p.temperature, p.inv_t, p.top_k, p.top_p, p.least, p.bits,
-                                         p.cut, s, &sum);
+        const int64_t kept = ranked_keep(l, n, &p, s, &sum);
         memset(w, 0, (size_t)n * sizeof *w);
         for (int64_t j = 0; j < kept; j++) w[s->r[j].id] = s->r[j].w;
         return;
     }
     if (p.by_min) {
-        const int64_t m = draw_candidates(l, n, p.top, p.temperature, p.inv_t, p.cut, s->x, s->id);
-        draw_weights(s->x, m, p.bits, s->w);
+        double total;
+        const int64_t m = min_p_keep(l, n, &p, s, &total);
         memset(w, 0, (size_t)n * sizeof *w);
-        for (int64_t j = 0; j < m; j++) w[s->id[j]] = s->w[j] >= p.least ? s->w[j] : 0.0;
+        for (int64_t j = 0; j < m; j++) w[s->id[j]] = s->w[j];
         return;
     }
     row_weights(l, n, p.top, p.temperature, p.inv_t, p.bits, w);
 }
 
-/* Per row r of logits [M, N] (row stride ld, N < 2^31), the token drawn at uniforms[r] in [0, 1) after
- * temperature[r], top_k[r], top_p[r] and min_p[r] (sample_row), into out[r]; rows split across threads. Returns -1
+/* Per row r of logits [M, N] (row stride ld, N < 2^31) after temperature[r], top_k[r], top_p[r] and min_p[r]: the
+ * token drawn at uniforms[r] in [0, 1) into tokens[r] (sample_row), or, where `weights` is given, the kept weights
+ * into weights [M, N] (row stride ldw; keep_row); rows split across threads, each with its scratch. Returns -1
  * without memory. */
-int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
-                   const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
-                   int64_t *out, int threads) {
+static int draw_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
+                     const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
+                     int64_t *tokens, double *weights, int64_t ldw, int threads) {
     if (N > INT32_MAX) return -1;
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1 && M > 1)
@@ -545,38 +554,31 @@ int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const 
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < M; r++)
-            if (ok)
-                out[r] = sample_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r],
-                                    &s);
+        for (int64_t r = 0; r < M; r++) {
+            if (!ok) continue;
+            const float *l = logits + r * ld;
+            if (weights) keep_row(l, N, temperature[r], top_k[r], top_p[r], min_p[r], &s, weights + r * ldw);
+            else tokens[r] = sample_row(l, N, temperature[r], top_k[r], top_p[r], min_p[r], uniforms[r], &s);
+        }
         free(s.x), free(s.w), free(s.id), free(s.r);
     }
     return failed ? -1 : 0;
 }
 
-/* Per row r of logits [M, N] (row stride ld, N < 2^31), the weights its draw takes after temperature[r], top_k[r],
- * top_p[r] and min_p[r] (keep_row: units of 2^-Q, 0 where dropped) into out [M, N] (row stride ldo); rows split
- * across threads. Returns -1 without memory. */
+/* Per row r of logits [M, N] (row stride ld, N < 2^31), the token drawn at uniforms[r] in [0, 1) after
+ * temperature[r], top_k[r], top_p[r] and min_p[r] (sample_row), into out[r]. Returns -1 without memory. */
+int nt_sample_rows(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
+                   const int64_t *top_k, const double *top_p, const double *min_p, const double *uniforms,
+                   int64_t *out, int threads) {
+    return draw_rows(logits, M, N, ld, temperature, top_k, top_p, min_p, uniforms, out, NULL, 0, threads);
+}
+
+/* Per row r of logits [M, N], the weights its draw takes (keep_row: units of 2^-Q, 0 where dropped) into out [M, N]
+ * (row stride ldo). Returns -1 without memory. */
 int nt_kept_weights(const float *logits, int64_t M, int64_t N, int64_t ld, const double *temperature,
                     const int64_t *top_k, const double *top_p, const double *min_p, double *out, int64_t ldo,
                     int threads) {
-    if (N > INT32_MAX) return -1;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (threads > 1 && M > 1)
-    {
-        draw_scratch s = {malloc((size_t)(N + 16) * sizeof(double)), malloc((size_t)N * sizeof(double)),
-                          malloc((size_t)(N + 16) * sizeof(int32_t)), malloc((size_t)N * sizeof(ranked))};
-        const int ok = s.x && s.w && s.id && s.r;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < M; r++)
-            if (ok) keep_row(logits + r * ld, N, temperature[r], top_k[r], top_p[r], min_p[r], &s, out + r * ldo);
-        free(s.x), free(s.w), free(s.id), free(s.r);
-    }
-    return failed ? -1 : 0;
+    return draw_rows(logits, M, N, ld, temperature, top_k, top_p, min_p, NULL, NULL, out, ldo, threads);
 }
 
 /* out[r] = the index of row r's first largest value (argmax_row), for M rows of N (row stride ld). */
