@@ -163,7 +163,7 @@ class EngineConfig:
         need(self.max_waiting >= 1, f"max_waiting={self.max_waiting}")
         need(self.max_tokens_default >= 1, f"max_tokens_default={self.max_tokens_default}")
         need(self.speculative in SPECULATIVE_PROPOSERS
-             or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and self.draft_model)
+             or (isinstance(self.speculative, str) and self.speculative.startswith("draft:") and bool(self.draft_model))
              or self.self_draft_layers is not None or self.head_draft_vocab is not None,
              f"speculative={self.speculative!r} (ngram: prompt lookup over the sequence's own tokens; draft:MODEL: "
              "a model sharing the vocabulary proposes; self:L: the model's first L layers and its head propose; "

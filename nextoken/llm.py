@@ -223,7 +223,7 @@ class LLM:
         added: list[str] = []
         try:
             for prompt in prompts:
-                group = []
+                group: list[str] = []
                 for choice in prompt.params:  # a prompt's other choices take its blocks from the first
                     rid = engine.add_request(prompt.prompt_ids, choice, f"gen-{next(self._ids)}",
                                              share_prompt_with=group[0] if group else None)
@@ -255,8 +255,9 @@ class LLM:
             engine.release_threads()  # the next call may come from another thread
         failed = [rid for rid, req in done.items() if req.finish_reason == "error"]
         for rid in failed:
-            if done[rid].error is not None:  # the request's own settings: its error, not the engine's
-                raise done[rid].error
+            error = done[rid].error
+            if error is not None:  # the request's own settings: its error, not the engine's
+                raise error
         if failed:
             raise NextokenError(f"generation failed inside the engine for request(s) {', '.join(failed)}; "
                                 "see the nextoken.engine log")

@@ -134,10 +134,11 @@ class SamplingParams:
             if len(bias) > MAX_LOGIT_BIAS:  # before sorting: a huge mapping is refused without the work
                 raise InvalidSamplingParams(f"invalid logit_bias=<{len(bias)} entries>: must be at most "
                                             f"{MAX_LOGIT_BIAS} entries")
+            pairs = bias.items()
             try:
-                bias = tuple(sorted(bias.items()))
+                bias = tuple(sorted(pairs))
             except TypeError:  # keys that do not compare (an int beside a str) are invalid anyway
-                bias = tuple(bias.items())
+                bias = tuple(pairs)
         object.__setattr__(self, "logit_bias", tuple(bias))
         object.__setattr__(self, "bad_words", tuple(tuple(w) if isinstance(w, (list, tuple)) else w
                                                     for w in self.bad_words))

@@ -194,7 +194,7 @@ class BlockManager:
             assert (block.ref_count == 0) == listed, f"block {block.block_id}: ref_count {block.ref_count}"
             registered = block.prefix_id is not None
             assert registered == (block.block_hash is not None), f"block {block.block_id}: half registered"
-            if registered:
+            if block.block_hash is not None:  # registered
                 assert self.cached.get(block.block_hash, []).count(block.block_id) == 1, \
                     f"block {block.block_id} is not findable by its hash"
             if block.block_id in self.evictable:

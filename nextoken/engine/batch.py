@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ class ForwardBatch:
         tables = [item.request.block_table for item in scheduled]
         max_blocks = max(len(t) for t in tables)
         block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        as_long = dict(dtype=torch.long, device=device)
+        as_long: dict[str, Any] = dict(dtype=torch.long, device=device)
         n = len(input_ids)
         flat = torch.tensor(input_ids + positions + slots, **as_long)  # one copy in, three views out
         return cls(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,7 +77,7 @@ class DecodeGraphs:
         self.device = device
         self.capture = capture
         self.steps: dict[tuple[int, int], _Step | None] = {}  # None: capture failed, run eagerly
-        self._pool = None  # graphs share one memory pool: only one replays at a time
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # graphs share one memory pool: only one replays at a time
 
     def run(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits [num_seqs, vocab] of a pure decode step (every row one new token that samples), or None where the
@@ -127,7 +128,7 @@ class DecodeGraphs:
         return self.model(step.input_ids[:], step.positions[:], self.kv_layers, meta)
 
     def _build(self, rows: int, width: int) -> _Step | None:
-        as_long = dict(dtype=torch.long, device=self.device)
+        as_long: dict[str, Any] = dict(dtype=torch.long, device=self.device)
         step = _Step(torch.zeros(rows, **as_long), torch.zeros(rows, **as_long),
                      torch.full((rows,), self.pad_block * self.block_size, **as_long), torch.ones(rows, **as_long),
                      torch.full((rows, width), self.pad_block, **as_long))

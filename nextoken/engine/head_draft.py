@@ -34,8 +34,9 @@ from nextoken.engine.request import Request
 from nextoken.engine.runner import ModelRunner
 from nextoken.engine.sampler import Sampler, SamplingRow, argmax
 from nextoken.errors import NextokenError
+from nextoken.models.base import CausalLM
 from nextoken.ops import calibration
-from nextoken.ops.quant_linear import Int8GroupHead
+from nextoken.ops.quant_head import Int8GroupHead
 
 
 def token_ranking(runner: ModelRunner, token_ids: list[int]) -> torch.Tensor:
@@ -61,7 +62,7 @@ def likeliest_tokens(runner: ModelRunner, token_ids: list[int], size: int, alway
     return torch.cat([first, rest]).sort().values
 
 
-def sub_head(model: torch.nn.Module, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def sub_head(model: CausalLM, ids: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """The LM head's rows `ids` alone: hidden [rows, hidden] -> logits [rows, len(ids)] fp32. Over the int8 head's
     own blocks where it has them (the same kernels, without rescoring candidates: a draft needs no exact logits),
     else over the float head's rows."""
@@ -121,7 +122,7 @@ class HeadDraft:
             layers = best(lambda: model(last.input_ids, last.positions, pool.layers, last.attn, head=False))
             x = hidden.expand(max(rows), -1).contiguous()
             out = torch.empty(max(rows), config.vocab_size, device=device)  # as the engine's buffer: no page faults
-            heads = {n: best(lambda n=n: model.compute_logits(x[:n], out)) for n in rows}
+            heads = {n: best(lambda: model.compute_logits(x[:n], out)) for n in rows}  # best calls each at once
             small = best(lambda: self.head(x[:1]))
         self.step_seconds = self.step_seconds or layers + small
         return {n: layers + seconds for n, seconds in heads.items()}

@@ -25,6 +25,7 @@ from nextoken.engine.sampler import Sampler
 from nextoken.engine.scheduler import ScheduledRequest
 from nextoken.errors import NextokenError
 from nextoken.loader.gguf import ModelFile
+from nextoken.models.base import FusedPath
 from nextoken.models.config import ModelConfig
 from nextoken.ops import calibration, native
 from nextoken.ops.attention import AttentionMetadata
@@ -149,7 +150,7 @@ class ModelRunner:
         self._logits: torch.Tensor | None = None  # execute()'s logits buffer
         self._logits_views: dict[int, torch.Tensor] = {}  # its leading rows, by count (_logits_rows)
         # Pure decode steps in one native call where the model allows (ops/fused.py), rebuilt with the decoder.
-        self._step: tuple[FusedDecoder | None, NativeStep | None] = (None, None)
+        self._step: tuple[FusedPath | None, NativeStep | None] = (None, None)
         # Activations are fp32 whatever the weight format; the KV cache may be stored narrower.
         self.kv_dtype = resolve_kv_dtype(config, self.device)
         num_kv_heads = model_config.num_kv_heads if shards is None or self.tp is None \
@@ -215,6 +216,7 @@ class ModelRunner:
         self.settle(wait=False)
         batch = self._native_step(scheduled)
         if batch is not None:
+            assert batch.logits is not None  # set by _native_step
             return batch, batch.logits
         drafted = self._verify_drafted(scheduled)
         if drafted is not None:
@@ -332,6 +334,7 @@ class ModelRunner:
         """The buffer's first `rows` rows, the same view from step to step (slicing is a torch op)."""
         view = self._logits_views.get(rows)
         if view is None:
+            assert self._logits is not None  # _logits_buffer ran first
             view = self._logits_views[rows] = self._logits[:rows]
         return view
 

@@ -19,12 +19,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from nextoken.cache.kv_pool import KVPool
 from nextoken.engine.ngram import NgramIndex
 from nextoken.ops.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nextoken.models.base import CausalLM
 
 RUN_HISTORY = 16  # a sequence's latest runs that predict its next one
 DRAFT_DECAY = 0.9  # per verified step, the weight of a sequence's earlier draft acceptance
@@ -88,7 +92,7 @@ class StepCosts:
 
 
 @torch.inference_mode()
-def calibrate(model: torch.nn.Module, runner_kv: KVPool, rows: Iterable[int], device: torch.device,
+def calibrate(model: CausalLM, runner_kv: KVPool, rows: Iterable[int], device: torch.device,
               context: int = 64) -> dict[int, float]:
     """Seconds of a forward pass computing `rows` new tokens with logits for each (a verification pass) after
     `context` cached ones, on a private cache shaped like the engine's: the faster of two runs (the less disturbed

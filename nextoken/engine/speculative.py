@@ -123,7 +123,7 @@ class Speculator:
         max_k = config.max_speculative_tokens
         if not max_k:
             return None
-        draft: DraftModel | HeadDraft | None = None
+        draft: DraftModel | None = None
         if config.draft_model:
             draft = DraftModel.load(config.draft_model, config, runner.model_config.vocab_size, max_model_len)
         elif config.self_draft_layers:

@@ -212,7 +212,8 @@ class ToolCallParser:
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._pending += text
-        content, calls = [], []
+        content: list[str] = []
+        calls: list[ToolCall] = []
         while True:
             start = self._pending.find(OPEN)
             if start < 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from nextoken.models.layers import (GatedMLP, Linear, MoE, PlainMLP, RotaryEmbed
 from nextoken.models.probe import FUSED_BLOCKS, MODULES, ForwardProbe
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nextoken.ops.quant_head import Int8GroupHead
 
 
 class FusedPath(Protocol):
@@ -93,7 +96,7 @@ class CausalLM(nn.Module):
         self.norm = make_norm(recipe.norm, config.hidden_size, config.norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         # The LM head for decode rows, where the quantization pass gives one: called as (hidden, out) -> logits.
-        self.quantized_head: nn.Module | None = None
+        self.quantized_head: Int8GroupHead | None = None
         self.fused: FusedPath | None = None  # set by the quantization pass where every projection is in blocks
         self.probe: ForwardProbe | None = None  # an observer of forward passes (a tracer's), on whichever path
         # Rotary q/k in the interleaved layout (one complex multiplication) where every dimension rotates, else
@@ -131,7 +134,7 @@ class CausalLM(nn.Module):
         if native.repeatable(lib, hidden, weight):  # the same bits on any thread count (Linear)
             rows = hidden.shape[0]
             fits = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1 and out.shape[0] >= rows
-            return native.matmul_rowmajor(lib, hidden, weight, out[:rows] if fits else None)
+            return native.matmul_rowmajor(lib, hidden, weight, out[:rows] if fits and out is not None else None)
         if out is not None and weight.dtype == hidden.dtype == out.dtype and weight.device == out.device:
             return torch.mm(hidden, weight.t(), out=out[:hidden.shape[0]])
         return torch.nn.functional.linear(hidden, weight).float()
@@ -142,7 +145,7 @@ class CausalLM(nn.Module):
         are rebuilt to carry the choice."""
         for module in self.modules():
             if hasattr(module, "activations"):  # a block module that offers the choice (ops/quant_linear.py)
-                module.activations = activations
+                setattr(module, "activations", activations)
         if self.fused is not None:
             self.fused = self.fused.rebuilt()
 
@@ -175,6 +178,7 @@ class CausalLM(nn.Module):
             probe.embedded(FUSED_BLOCKS if fused else MODULES)
         if fused:
             # The final norm included; a probe's profile gets the blocks' times.
+            assert self.fused is not None
             x = self.fused(x, positions, kv_caches, meta, None if probe is None else probe.profile)
         else:
             for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):

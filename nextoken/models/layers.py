@@ -8,7 +8,9 @@ norms, attention) stay in fp32; only projection weights take the model's weight 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -59,14 +61,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(x):
-            return native.rms_norm(self.lib, x, self.weight, self.eps)
+            return native.rms_norm(cast(ctypes.CDLL, self.lib), x, self.weight, self.eps)
         # One fused op (same formula, same float32 result as the three-step form the reference writes out).
         return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
 
     def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, its norm): the residual add and the next norm in one pass. x may be updated in place."""
         if self._native(x) and self._native(delta) and delta.shape == x.shape:
-            return x, native.rms_norm(self.lib, x, self.weight, self.eps, residual=delta)
+            return x, native.rms_norm(cast(ctypes.CDLL, self.lib), x, self.weight, self.eps, residual=delta)
         x = x + delta
         return x, self(x)
 

@@ -23,7 +23,7 @@ import io
 import json
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,7 +34,8 @@ from torch import nn
 from nextoken.config import cache_dir
 from nextoken.errors import NextokenError
 from nextoken.ops import native
-from nextoken.ops.quant_linear import BlockLinear, Int8GroupHead
+from nextoken.ops.quant_head import Int8GroupHead
+from nextoken.ops.quant_linear import BlockLinear
 
 
 class ChatInputs(Protocol):
@@ -79,7 +80,7 @@ def outlier_columns(colmax: torch.Tensor) -> torch.Tensor:
     return above.sort().values.to(torch.int32)
 
 
-def block_products(model: nn.Module) -> dict[str, nn.Module]:
+def block_products(model: nn.Module) -> dict[str, BlockLinear | Int8GroupHead]:
     """The modules whose products can take int8 activations: projections over blocks and a head over the file's
     blocks."""
     return {name: module for name, module in model.named_modules()
@@ -113,7 +114,7 @@ def columns_of(seen: dict[str, torch.Tensor]) -> dict[str, list[int]]:
     return {name: outlier_columns(colmax).tolist() for name, colmax in seen.items()}
 
 
-def fix_outliers(model: nn.Module, columns: dict[str, Sequence[int]], every_product: bool = True) -> None:
+def fix_outliers(model: nn.Module, columns: Mapping[str, Sequence[int]], every_product: bool = True) -> None:
     """int8 activations with these outlier columns (by module name) in the block products. `every_product`: each
     must have its columns (else those without keep choosing theirs per product: a tensor-parallel worker's head,
     which never runs)."""

@@ -25,18 +25,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from nextoken.cache.kv_pool import KVCacheLayer
 from nextoken.ops import native
 from nextoken.ops.attention import AttentionMetadata
-from nextoken.ops.quant_linear import HEAD_NATIVE_MAX_ROWS, BlockEmbedding, BlockLinear, native_max_rows
+from nextoken.ops.quant_head import BlockEmbedding
+from nextoken.ops.quant_linear import HEAD_NATIVE_MAX_ROWS, BlockLinear, native_max_rows
 
 if TYPE_CHECKING:
-    from nextoken.models.base import CausalLM
-    from nextoken.models.layers import RMSNorm, RotaryEmbedding
+    from nextoken.models.base import CausalLM, DecoderBlock
+    from nextoken.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 KEPT_SCRATCH_ROWS = HEAD_NATIVE_MAX_ROWS  # tokens whose scratch the decoder keeps between steps
 
@@ -46,11 +48,11 @@ def _matrix(projection: torch.nn.Module) -> native.Matrix | None:
         return None
     parts = [native.Part(p.kind, p.rows, projection.in_features, p.qs.data_ptr(), p.d.data_ptr(),
                          None if p.m is None else p.m.data_ptr()) for p in projection.parts]
-    fixed = projection.fixed_int8 and projection.outliers is not None
+    outliers = projection.outliers if projection.fixed_int8 else None
     return native.Matrix(len(parts), projection.out_features, (native.Part * native.MAX_PARTS)(*parts),
                          int(projection.activations == "int8"),
-                         projection.outliers.data_ptr() if fixed else None,
-                         projection.outliers.numel() if fixed else -1)
+                         outliers.data_ptr() if outliers is not None else None,
+                         outliers.numel() if outliers is not None else -1)
 
 
 def _norm(norm: RMSNorm | None) -> int | None:
@@ -77,18 +79,20 @@ class FusedDecoder:
         self.model = model
         self.ropes: list[RotaryEmbedding] = []
         layers = []
-        for block in model.layers:
-            attn, mlp = block.attn, block.mlp
-            norms = {"attn_in": block.input_norm, "attn_out": block.post_attn_norm, "mlp_in": block.pre_mlp_norm,
-                     "mlp_out": block.post_mlp_norm}
+        for block in cast("Iterable[DecoderBlock]", model.layers):
+            attn, mlp = block.attn, cast("GatedMLP", block.mlp)  # gated: the recipe has no gaps (build)
+            norms = cast("dict[str, RMSNorm | None]",  # RMS norms: the recipe has no gaps (build)
+                         {"attn_in": block.input_norm, "attn_out": block.post_attn_norm, "mlp_in": block.pre_mlp_norm,
+                          "mlp_out": block.post_mlp_norm})
             matrices = [_matrix(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(m is None for m in matrices):
                 raise ValueError("a projection is not block-quantized on the native kernels")
+            assert attn.rope is not None, "rotary positions: the recipe has no gaps (build)"
             if attn.rope not in self.ropes:
                 self.ropes.append(attn.rope)
             layers.append(native.Layer(
                 block.input_norm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.ffn,
-                attn.sliding_window or 0, norms["attn_in"].eps, attn.scale, native.ACTIVATIONS[mlp.activation],
+                attn.sliding_window or 0, block.input_norm.eps, attn.scale, native.ACTIVATIONS[mlp.activation],
                 int(attn.rope.layout == "interleaved"), attn.rope.dim, self.ropes.index(attn.rope),
                 _norm(norms["attn_in"]), _norm(norms["attn_out"]), _norm(norms["mlp_in"]), _norm(norms["mlp_out"]),
                 _norm(attn.q_norm), _norm(attn.k_norm),
@@ -215,8 +219,8 @@ class NativeStep:
     def build(cls, model: CausalLM) -> NativeStep | None:
         """None where the model's step cannot run in one call (see the class)."""
         fused, embed, head = model.fused, model.embed_tokens, model.quantized_head
-        if (fused is None or not isinstance(embed, BlockEmbedding) or embed.lib is None or head is None
-                or head.weight is not None or head.lib is None):
+        if (not isinstance(fused, FusedDecoder) or not isinstance(embed, BlockEmbedding) or embed.lib is None
+                or head is None or head.weight is not None or head.lib is None):
             return None
         return cls(fused.lib, model, fused)
 

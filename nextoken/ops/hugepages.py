@@ -23,9 +23,14 @@ import mmap
 import sys
 import threading
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from nextoken.ops.quant_head import BlockEmbedding, Int8GroupHead
+    from nextoken.ops.quant_linear import BlockWeight
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +120,11 @@ class HugePageMove:
     (FusedDecoder) must be rebuilt after `apply`."""
 
     def __init__(self, model: nn.Module) -> None:
-        from nextoken.ops.quant_linear import BlockEmbedding, BlockLinear, Int8GroupHead  # noqa: PLC0415
+        from nextoken.ops.quant_head import BlockEmbedding, Int8GroupHead  # noqa: PLC0415
+        from nextoken.ops.quant_linear import BlockLinear  # noqa: PLC0415
 
-        self._weights, self._tables = [], []
+        self._weights: list[BlockWeight] = []
+        self._tables: list[BlockEmbedding | Int8GroupHead] = []
         for module in model.modules():
             if isinstance(module, BlockLinear) and module.lib is not None:
                 self._weights += module.parts
@@ -128,7 +135,7 @@ class HugePageMove:
             elif isinstance(module, BlockEmbedding):
                 self._tables.append(module)
         tensors = [t for w in self._weights for t in (w.qs, w.d, w.m) if t is not None]
-        tensors += [t for m in self._tables for t in (m.codes, m.scales)]
+        tensors += [t for m in self._tables for t in (m.codes, m.scales) if t is not None]
         self._arena = _Arena(tensors)
         self.bytes = self._arena.size
         self.applied = False

@@ -17,7 +17,7 @@ All on `device`; with `quant` on CPU the fused decoder (ops/fused.py) is built o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -27,8 +27,9 @@ from torch import nn
 from nextoken.loader.codec import q8_0_codes
 from nextoken.loader.weights import FileBacked, FileTensor
 from nextoken.ops.fused import FusedDecoder
-from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockEmbedding, BlockLinear, BlockWeight,
-                                       Int8GroupHead, block_only_types, q4_packed, q4_weight, q8_weight)
+from nextoken.ops.quant_head import BlockEmbedding, Int8GroupHead
+from nextoken.ops.quant_linear import (FLOAT_TYPES, GROUP_SIZE, Q4_TYPES, BlockLinear, BlockWeight, block_only_types,
+                                       q4_packed, q4_weight, q8_weight)
 
 if TYPE_CHECKING:
     from nextoken.models.base import CausalLM
@@ -94,7 +95,8 @@ def _projection(module: FileBacked, formats: WeightFormats, exact_types: tuple[G
     """A projection in `formats`: a dense Linear, or blocks, with the fp32 weight beside them where the kernels need
     it (parts requantized from it, on the native route; see block_only_types)."""
     files = module.tensors["weight"]
-    shape = (module.module.out_features, module.module.in_features)
+    linear = cast(nn.Linear, module.module)  # a projection: the architecture's Linear
+    shape = (linear.out_features, linear.in_features)
     if formats.quant is None or shape[1] % GROUP_SIZE:  # blocks group 32 inputs: other widths stay dense
         return _dense(module, formats.dtype, formats.device)
     weight = None if all(t.qtype in exact_types for t in files) else module.floats()  # fp32, to requantize from
@@ -129,7 +131,8 @@ def _int8_head(model: CausalLM, head_file: FileTensor) -> Int8GroupHead:
     if model.lm_head is None and isinstance(table, BlockEmbedding):
         return Int8GroupHead(table.codes, table.scales)
     if head_file.qtype == _Q.Q8_0:
-        return Int8GroupHead(*head_file.codes())
+        codes, scales = head_file.codes()
+        return Int8GroupHead(codes, scales)
     return Int8GroupHead(*q8_codes(None, None, model.head_weight), model.head_weight)
 
 

@@ -294,8 +294,8 @@ def kept_weights(logits: torch.Tensor, temperature: list[float], top_k: list[int
         out[rows] = w.masked_fill_(w < p.least[:, None], 0.0)
     for rows, ids, kept in _held_candidates(logits, top, params, ranked, bits):
         out[rows] = torch.zeros(rows.numel(), vocab, dtype=torch.float64, device=dev).scatter_(1, ids, kept)
-    for i, w in enumerate(params.weighable):
-        if not w:
+    for i, weighs in enumerate(params.weighable):
+        if not weighs:
             out[i, logits[i].argmax()] = 1.0
     return out
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,11 +29,12 @@ from nextoken.engine.record import make_bundle, write_bundle
 from nextoken.engine.request import RequestOutput
 from nextoken.errors import NextokenError
 from nextoken.loader.registry import REGISTRY
+from nextoken.server.choices import Choices
 from nextoken.server.errors import ApiError, api_error_from, error_body, error_response
-from nextoken.server.generation import Choices, Job, Kind, encode_prompt, prepare, render_messages
+from nextoken.server.generation import Job, Kind, encode_prompt, prepare, render_messages
 from nextoken.server.metrics import ServerMetrics
-from nextoken.server.openapi import build_openapi
 from nextoken.server.middleware import REQUEST_TIMEOUT_S, GuardMiddleware
+from nextoken.server.openapi import build_openapi
 from nextoken.server.protocol import (
     MAX_BODY_BYTES,
     ChatCompletionRequest,
@@ -200,7 +201,7 @@ async def _generate(state: ServerState, request: Request, body: CompletionReques
     if replica is not None:
         headers[REPLICA_HEADER] = replica
     if job.stream:
-        response = EventStream(_events(state, job, stream, choices), state.stream_timeout)
+        response: Response = EventStream(_events(state, job, stream, choices), state.stream_timeout)
         response.headers.update(headers)
         return response
     try:

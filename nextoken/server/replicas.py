@@ -85,7 +85,7 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
         by_id = {r.replica_id: r for r in candidate_replicas}
         load = {r.replica_id: self.replica_queue_len_cache.get(r.replica_id) or 0 for r in candidate_replicas}
         for h in reversed(hashes):  # the longest shared prefix first
-            owner = by_id.get(self._owner.get(h))
+            owner = by_id.get(self._owner[h]) if h in self._owner else None
             if owner is not None:
                 if load[owner.replica_id] <= min(load.values()) + IMBALANCE:
                     return [[owner], candidate_replicas]
@@ -113,11 +113,12 @@ class PrefixAffinityRouter(FIFOMixin, RequestRouter):
 
 @serve.deployment(name="engine", max_ongoing_requests=100_000, health_check_period_s=2, health_check_timeout_s=10,
                   graceful_shutdown_timeout_s=5, logging_config={"log_level": "WARNING", "enable_access_log": False},
-                  request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter))
+                  request_router_config=RequestRouterConfig(
+                      request_router_class=PrefixAffinityRouter))  # type: ignore[arg-type]
 class EngineReplica:
     """One engine: `describe()` for the server's text side, `generate(requests)` streams a group's outputs."""
 
-    async def __init__(self, config: EngineConfig, board: Any) -> None:
+    async def __init__(self, config: EngineConfig, board: Any) -> None:  # type: ignore[misc]
         from nextoken.engine.async_engine import AsyncEngine
         from nextoken.engine.engine import LLMEngine
 
@@ -223,9 +224,10 @@ def start(config: EngineConfig, options: ReplicaOptions) -> Deployed:
                                 f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from None
     try:
         serve.start(proxy_location="Disabled", logging_config={"log_level": "WARNING"})
-        board = ReplicaBoard.options(name=f"{APP_NAME}-board", get_if_exists=False).remote()
+        board = ReplicaBoard.options(  # type: ignore[attr-defined]
+            name=f"{APP_NAME}-board", get_if_exists=False).remote()
         replica_config = replace(config, threads=threads)
-        app = EngineReplica.options(num_replicas=options.num_replicas,
+        app = EngineReplica.options(num_replicas=options.num_replicas,  # type: ignore[attr-defined]
                                     ray_actor_options={"num_cpus": threads}).bind(replica_config, board)
         handle = serve.run(app, name=APP_NAME, route_prefix=None)
     except BaseException:

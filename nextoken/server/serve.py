@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import uvicorn
 from fastapi import FastAPI
@@ -29,6 +29,8 @@ from nextoken.server.middleware import REQUEST_TIMEOUT_S
 from nextoken.server.streaming import SEND_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from nextoken.engine.async_engine import AsyncEngine
+    from nextoken.engine.engine import LLMEngine
     from nextoken.server.replica_options import ReplicaOptions
 
 log = logging.getLogger("nextoken.server")
@@ -156,9 +158,11 @@ def serve(engine_config: EngineConfig, *, host: str = "127.0.0.1", port: int = 8
                                 "larger model), not both")
         from nextoken.server.replicas import serve_replicas
 
+        # FrontEngine and RemoteEngine stand where LLMEngine and AsyncEngine stand (remote_engine.py).
         return serve_replicas(engine_config, replicas, lambda front, remote: _run(
             create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout,
-                       engine=front, async_engine=remote), host, port, drain_timeout, request_timeout))
+                       engine=cast("LLMEngine", front), async_engine=cast("AsyncEngine", remote)),
+            host, port, drain_timeout, request_timeout))
     app = create_app(engine_config, api_key=api_key, stream_timeout=stream_timeout, request_timeout=request_timeout,
                      record_dir=record_dir)
     return _run(app, host, port, drain_timeout, request_timeout)

@@ -15,7 +15,7 @@ import re
 import time
 import traceback
 from datetime import datetime
-from typing import Any, Callable, Iterable, Iterator, NoReturn
+from typing import Any, Callable, Generator, Iterable, Iterator, NoReturn, cast
 
 import jinja2
 from jinja2 import nodes
@@ -312,7 +312,7 @@ class ChatTemplate:
                    **extra, "messages": _normalize(messages), "add_generation_prompt": add_generation_prompt}
         pieces: list[str] = []
         size, token = 0, _DEADLINE.set(time.monotonic() + self.timeout_s)
-        stream = self._template.generate(context)
+        stream = cast(Generator[str, None, None], self._template.generate(context))  # generate is a generator
         try:
             for piece in stream:
                 size += len(piece.encode("utf-8", "surrogatepass"))

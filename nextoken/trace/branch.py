@@ -54,7 +54,7 @@ def run_branches(llm: LLM, prompt: str, labels: list[str], settings: list[Sampli
             ids.append(engine.add_request(prompt_ids, b.params, f"branch-{next(_ids)}",
                                           share_prompt_with=ids[0] if ids else None))
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
-        done = set()
+        done: set[str] = set()
         while len(done) < len(ids):
             for out in engine.step():
                 if out.request_id in texts:
@@ -129,7 +129,7 @@ def print_branches(console: object, llm: LLM, prompt_ids: list[int], branches: l
     for b in branches:
         table.add_column(Text(f"{b.label}: {b.setting}"), overflow="fold")
     for i in range(max(len(b.token_ids) for b in branches)):
-        cells: list[object] = [str(i)]
+        cells: list[str | Text] = [str(i)]
         for b in branches:
             if i >= len(b.token_ids):
                 cells.append("")

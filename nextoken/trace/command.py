@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from rich.console import Console
 
@@ -18,6 +19,9 @@ from nextoken.sampling_params import SamplingParams
 from nextoken.trace.report import make_console, print_compare, print_report
 from nextoken.trace.run import parse_setting, run_request
 from nextoken.trace.tracer import NullTracer, RecordingTracer
+
+if TYPE_CHECKING:
+    from nextoken.models.base import DecoderBlock
 
 
 @dataclass(frozen=True)
@@ -88,7 +92,7 @@ def trace(prompt: str, params: SamplingParams, options: TraceOptions, console: C
     tracer = RecordingTracer(top_k=options.top_k, capture_attention=options.html is not None)
     run = run_request(llm, prompt, params, raw=options.raw, system=options.system, tracer=tracer)
     runner = llm.engine.runner
-    weight_dtype = runner.model.layers[0].attn.qkv_proj.weight.dtype
+    weight_dtype = cast("DecoderBlock", runner.model.layers[0]).attn.qkv_proj.weight.dtype
     summary = summarize(llm, run, baseline, machine_peaks(runner.device, weight_dtype))
     print_report(console, llm, run, summary, options.top_k)
     if options.html is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -20,8 +20,11 @@ from nextoken.models.probe import FUSED_BLOCKS, MODULES, NATIVE_STEP, ForwardPro
 from nextoken.ops import native
 from nextoken.ops.native import LayerTime, ProfileSlot
 from nextoken.trace.probs import SampleRecord
-from nextoken.trace.speculation import SpecRecord
 from nextoken.trace.replay import Agreement
+from nextoken.trace.speculation import SpecRecord
+
+if TYPE_CHECKING:
+    from nextoken.models.layers import MoE
 
 
 @dataclass
@@ -85,16 +88,17 @@ class PassRecorder(ForwardProbe):
         """Timers on each block's attention and MLP modules (which the fused paths never call)."""
         handles = []
         for i, layer in enumerate(layers):
-            handles += [layer.attn.register_forward_pre_hook(self._attn_start(i)),
-                        layer.attn.register_forward_hook(self._timer_end(i, "attn_s", "attn")),
-                        layer.mlp.register_forward_pre_hook(self._mark(f"mlp{i}")),
-                        layer.mlp.register_forward_hook(self._timer_end(i, "mlp_s", f"mlp{i}"))]
-            if hasattr(layer.mlp, "last_choice"):  # a mixture of experts: its router's choice
-                handles.append(layer.mlp.register_forward_hook(self._router(i)))
+            attn, mlp = cast(torch.nn.Module, layer.attn), cast(torch.nn.Module, layer.mlp)
+            handles += [attn.register_forward_pre_hook(self._attn_start(i)),
+                        attn.register_forward_hook(self._timer_end(i, "attn_s", "attn")),
+                        mlp.register_forward_pre_hook(self._mark(f"mlp{i}")),
+                        mlp.register_forward_hook(self._timer_end(i, "mlp_s", f"mlp{i}"))]
+            if hasattr(mlp, "last_choice"):  # a mixture of experts: its router's choice
+                handles.append(mlp.register_forward_hook(self._router(i)))
         return handles
 
     def _router(self, layer: int) -> Any:
-        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: MoE, args: tuple, output: Any) -> None:
             step = self._recording()
             if step is None or module.last_choice is None:
                 return

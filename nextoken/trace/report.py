@@ -7,6 +7,7 @@ a token such as "[bold]" prints as itself. Piped output gets a fixed width (no t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group
@@ -18,9 +19,9 @@ from rich.text import Text
 from nextoken.models.probe import FUSED_BLOCKS, MODULES, NATIVE_STEP, PATHS
 from nextoken.trace.replay import Agreement
 from nextoken.trace.run import RunResult
+from nextoken.trace.speculation import print_speculation
 from nextoken.trace.summary import ReplaySummary, Summary, positional_scheme
 from nextoken.trace.tracer import STAGES, RecordingTracer
-from nextoken.trace.speculation import print_speculation
 
 PIPED_WIDTH = 120
 MAX_TOKEN_ROWS = 64  # longer prompts show their first and last tokens only
@@ -62,7 +63,7 @@ def piece_hex(tokenizer: Any, token_id: int) -> str:
     return "" if data.isascii() else data.hex(" ")
 
 
-def describe_paths(paths: dict[str, dict[str, int]], native_gaps: list[str] = ()) -> str:
+def describe_paths(paths: dict[str, dict[str, int]], native_gaps: Sequence[str] = ()) -> str:
     """"prefill: 1 step on fused blocks; decode: 15 steps on native step (fused blocks: ...; native step: ...)", and
     where steps ran on the modules because the model has parts the native step lacks, which."""
     phases = [f"{phase}: " + ", ".join(f"{n} step{'s' * (n != 1)} on {path}" for path, n in counts.items())

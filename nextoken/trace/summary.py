@@ -10,11 +10,12 @@ steps of each phase took (models/probe.py), `replay` how the fused steps re-run 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from nextoken.ops.quant_linear import BlockEmbedding, BlockLinear
+from nextoken.ops.quant_head import BlockEmbedding
+from nextoken.ops.quant_linear import BlockLinear
 from nextoken.trace.cost import MachinePeaks, ModelCost
 from nextoken.trace.replay import Agreement
 from nextoken.trace.run import RunResult
@@ -121,8 +122,9 @@ def summarize(llm: Any, run: RunResult, baseline: RunResult | None = None,
         projection_bytes = projection.weight.element_size()
     table = model.embed_tokens if isinstance(model.embed_tokens, BlockEmbedding) else model.embed_tokens.weight
     head = table if model.lm_head is None else model.lm_head.weight
+    # A block-held table's tied head is always the quantized head: `head` is a tensor where it is read here.
     head_bytes = (model.quantized_head.bytes_per_weight if model.quantized_head is not None
-                  else head.element_size())  # type: ignore[union-attr]
+                  else cast(torch.Tensor, head).element_size())
     pool = engine.runner.kv_pool
     cost = ModelCost.from_config(cfg, projection_bytes=projection_bytes, head_bytes=head_bytes,
                                  kv_bytes_per_token=pool.shape.bytes_per_token)

@@ -183,6 +183,10 @@ def test_best_of_returns_the_likeliest_samples(client: openai.OpenAI, server: Se
     assert [c.text for c in best] == [text for _, text in reversed(mean[-2:])]
     with pytest.raises(openai.BadRequestError):
         client.completions.create(n=3, best_of=2, **common)
+    # With the prompt echoed (its first token has no log-probability), the same two, ranked by their answers alone.
+    echoed = client.completions.create(n=2, best_of=4, echo=True, **common).choices
+    text = httpx.post(server.url + "/detokenize", json={"model": server.model, "tokens": prompt}, timeout=30).json()
+    assert [c.text for c in echoed] == [text["prompt"] + c.text for c in best]
 
 
 def test_beam_search_returns_the_n_best_beams(server: ServerProcess) -> None:

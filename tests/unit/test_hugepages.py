@@ -14,7 +14,8 @@ from gguf import GGMLQuantizationType
 
 from nextoken import LLM, SamplingParams
 from nextoken.ops.hugepages import ALIGN, gather
-from nextoken.ops.quant_linear import BlockEmbedding, BlockLinear, Int8GroupHead
+from nextoken.ops.quant_head import BlockEmbedding, Int8GroupHead
+from nextoken.ops.quant_linear import BlockLinear
 from tests.tiny import write_tiny_model
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

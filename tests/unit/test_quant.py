@@ -14,9 +14,9 @@ from gguf import GGMLQuantizationType
 from nextoken.loader.codec import (dequantize, pack_nibbles, q4_codes, q4_nibbles, q5_codes, q6_codes, q8_0_codes,
                                    unpack_nibbles)
 from nextoken.ops import native
+from nextoken.ops.quant_head import BlockEmbedding, Int8GroupHead
 from nextoken.ops.quant_linear import (EXACT_PANEL_TYPES, NATIVE_MAX_ROWS, Q4, Q4_F32, Q8, VNNI_MAX_ROWS,
-                                        Q8_HALVES, BlockEmbedding, BlockLinear, BlockWeight, Int8GroupHead,
-                                        q4_weight, q8_weight)
+                                        Q8_HALVES, BlockLinear, BlockWeight, q4_weight, q8_weight)
 from nextoken.ops.quantize import q8_codes, regroup
 
 _Q = GGMLQuantizationType

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from typing import TypeGuard
 
 import numpy as np
 import torch
@@ -36,8 +37,11 @@ logger = logging.getLogger("nextoken.native")
 _lib: ctypes.CDLL | None = None
 _tried = False
 
-_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
-_SIGNATURES = {
+_i64: type[ctypes.c_int64] = ctypes.c_int64
+_i32: type[ctypes.c_int] = ctypes.c_int
+_f32: type[ctypes.c_float] = ctypes.c_float
+_ptr: type[ctypes.c_void_p] = ctypes.c_void_p
+_SIGNATURES: dict[str, tuple[type[ctypes._SimpleCData] | None, list[type[ctypes._SimpleCData]]]] = {
     "nt_block_matmul": (_i32, [_i32, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _i32]),
     "nt_rms_norm": (None, [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32]),
     "nt_isa": (_i32, []),
@@ -89,8 +93,9 @@ def _check(x: torch.Tensor) -> None:
 
 
 # The kernels' block formats (nt_block_matmul): codes' dtype, values per code byte, scales' dtype, values per scale.
-BLOCK_FORMATS = {Format.Q4: (torch.uint8, 2, torch.float16, 32), Format.Q4_F32: (torch.uint8, 2, torch.float32, 32),
-                 Format.Q8: (torch.int8, 1, torch.float16, 32), Format.Q8_HALVES: (torch.int8, 1, torch.float32, 16)}
+BLOCK_FORMATS: dict[int, tuple[torch.dtype, int, torch.dtype, int]] = {
+    Format.Q4: (torch.uint8, 2, torch.float16, 32), Format.Q4_F32: (torch.uint8, 2, torch.float32, 32),
+    Format.Q8: (torch.int8, 1, torch.float16, 32), Format.Q8_HALVES: (torch.int8, 1, torch.float32, 16)}
 
 
 def _check_blocks(kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, k: int, where: str) -> None:
@@ -102,7 +107,8 @@ def _check_blocks(kind: int, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor 
     if k <= 0 or k % 32:
         raise ValueError(f"{where}: input size {k} is not a positive multiple of 32")
     n = qs.shape[0] if qs.dim() == 2 else -1
-    expect = [("codes", qs, codes, (n, k // per_byte)), ("scales", d, scales, (n, k // group))]
+    expect: list[tuple[str, torch.Tensor | None, torch.dtype, tuple[int, int]]] = [
+        ("codes", qs, codes, (n, k // per_byte)), ("scales", d, scales, (n, k // group))]
     if per_byte == 2:
         expect.append(("offsets", m, scales, (n, k // group)))
     elif m is not None:
@@ -219,7 +225,7 @@ def sgemm(lib: ctypes.CDLL, x: torch.Tensor, panels: torch.Tensor, n: int, out: 
 _SIGNATURES["nt_matmul_rowmajor"] = (None, [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32])
 
 
-def repeatable(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> bool:
+def repeatable(lib: ctypes.CDLL | None, x: torch.Tensor, weight: torch.Tensor) -> TypeGuard[ctypes.CDLL]:
     """Whether x @ weight^T runs on matmul_rowmajor: fp32 CPU rows and a row-major fp32 CPU weight, the kernels
     built."""
     return (lib is not None and x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu"
