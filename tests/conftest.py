@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-import nextoken  # noqa: F401 - before torch loads: its OpenMP setting (GOMP_SPINCOUNT) counts only then
+# Where several xdist workers share the machine (one per core), each computes on one thread: a worker's parallel
+# regions would otherwise wait on threads that the other worker's work has descheduled. A value already in the
+# environment is kept; the tests of thread counts set their own.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import nextoken  # noqa: E402, F401 - before torch loads: its OpenMP setting (GOMP_SPINCOUNT) counts only then
 from tests.tiny import write_tiny_model
 
 if "TRITON_INTERPRET" not in os.environ:  # the block formats' CUDA kernel (ops/cuda_blocks.py) runs interpreted on CPU

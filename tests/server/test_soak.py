@@ -1,4 +1,4 @@
-"""The churn soak of benchmarks/soak.py for 1.75 minutes on the tiny model: 64 users, a third of the requests
+"""The churn soak of benchmarks/soak.py for a minute on the tiny model: 64 users, a third of the requests
 cancelled at random moments, mixed n, stop strings, logprobs, long prompts, streams and whole answers. At the end
 nothing runs, every block is free, RSS and open descriptors are flat, and the canary (under load and after) answers
 exactly what it answers alone. `python benchmarks/soak.py --minutes 30` runs the long one."""
@@ -11,7 +11,8 @@ from benchmarks import soak
 
 
 def test_churn_soak_leaves_the_server_as_it_found_it(tiny_model: Path, server_logs: Path) -> None:
-    summary = soak.run(tiny_model, minutes=1.75, users=64, threads=1, log_dir=server_logs)
+    summary = soak.run(tiny_model, minutes=1.0, users=64, threads=1, log_dir=server_logs, canary_every=8.0,
+                       sample_every=1.0)
     print(summary.report())
     assert summary.ok, summary.report()
     assert summary.num_completed >= 100 and summary.num_canaries >= 4
