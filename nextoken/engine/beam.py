@@ -58,10 +58,11 @@ class BeamGroup:
 
     @staticmethod
     def beam_params(params: SamplingParams) -> SamplingParams:
-        """What each beam's request runs with: no draw of its own, the top 2W log-probabilities of its row."""
+        """What each beam's request runs with: no draw of its own, the top 2W log-probabilities of its row (a plain
+        request to the engine: the search is its group's)."""
         return replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                        presence_penalty=0.0, frequency_penalty=0.0, n=1, seed=None,
-                       logprobs=2 * (params.beam_width or 1), stop=())
+                       logprobs=2 * (params.beam_width or 1), stop=(), beam_width=None)
 
     def ready(self) -> bool:
         return all(b.candidates is not None for b in self.beams)

@@ -183,7 +183,8 @@ class LLMEngine:
     def _share_prompt(self, leader: Request) -> None:
         """The requests waiting for `leader`'s prompt take its blocks: references to those before the last prompt
         token, a copy of the block holding it (each recomputes that token for logits of its own, and a block being
-        written is never shared), and run from there; without a free block, one computes its whole prompt."""
+        written is never shared), and run from there, with the leader's prompt scores where they asked for them;
+        without a free block, one computes its whole prompt."""
         bs = self.block_manager.block_size
         last = leader.num_prompt_tokens - 1  # the position each follower computes itself
         full = last // bs
@@ -196,6 +197,9 @@ class LLMEngine:
             self.block_manager.take_cached(leader.block_table[:full])
             req.block_table = leader.block_table[:full] + fresh
             req.num_computed_tokens = last
+            if req.params.prompt_logprobs is not None:  # the same prompt: the same scores (its own span is past them)
+                req.prompt_logprobs = list(leader.prompt_logprobs)
+                req.prompt_token_logprobs = list(leader.prompt_token_logprobs)
             req.num_cached_blocks = min(leader.num_cached_blocks, full)
             req.timings.first_scheduled = time.perf_counter()
             req.timings.num_cached_prompt_tokens = last
@@ -267,8 +271,6 @@ class LLMEngine:
                                               self.scheduler, sampled_logits, rows)
             else:
                 self.scheduler.advance(item)
-            if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._share_prompt(req)
             live = self._live.get(req.request_id)
             if live is None:
                 # A beam's id is its search's, then "#k" (the search's own id may hold a "#" too).
@@ -290,6 +292,9 @@ class LLMEngine:
                 if not req.prompt_token_logprobs:
                     req.prompt_token_logprobs.append(None)  # the first token: nothing before it to predict it
                 req.prompt_token_logprobs.extend(actual)
+            # After its prompt's scores: the followers take them with its blocks.
+            if req.request_id in self._followers and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._share_prompt(req)
             if i not in token_for or result is None:
                 continue
             k = token_for[i]

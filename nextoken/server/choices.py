@@ -148,9 +148,10 @@ class Choices:
             decode = self.engine.tokenizer.decode
             out = []
             for index, c in enumerate(self.choices):
+                prompt = decode(job.prompts[index // job.per_prompt]) if job.echo else ""
                 for h in c.beams or []:
-                    beam = _Choice(text=[decode(h.token_ids, skip_special_tokens=True)], num_tokens=len(h.token_ids),
-                                   finish_reason=h.finish_reason)
+                    beam = _Choice(text=[prompt + decode(h.token_ids, skip_special_tokens=True)],
+                                   num_tokens=len(h.token_ids), finish_reason=h.finish_reason)
                     if job.thinking is not None:
                         beam.splitter = ReasoningSplitter(job.thinking[index // job.per_prompt])
                         reasoning, content = beam.splitter.feed(beam.text[0])

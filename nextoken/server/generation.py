@@ -151,7 +151,7 @@ def prepare(engine: LLMEngine, request: CompletionRequest | ChatCompletionReques
     include_usage = bool(request.stream_options and request.stream_options.include_usage)
     return Job(kind=kind, response_id=response_id, model=engine.model_name, prompts=prompts, n=n,
                requests=subrequests, stream=bool(request.stream), include_usage=include_usage,
-               logprobs=(recorded or subrequests[0].params).logprobs, thinking=thinking, record=recorded,
+               logprobs=request.num_logprobs(), thinking=thinking, record=recorded,
                echo=isinstance(request, CompletionRequest) and bool(request.echo),
                per_prompt=len(subrequests) // len(prompts), beam=request.beam_width is not None,
                tool_calls=tools is not None and tools.calls_possible)

@@ -203,6 +203,13 @@ def test_beam_search_returns_the_n_best_beams(server: ServerProcess) -> None:
     assert greedy["choices"][0]["text"] == plain["choices"][0]["text"]
     streamed = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=30)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
+    # echo puts the prompt before each beam; per-token scores are not kept for beams: logprobs is refused, not dropped.
+    echoed = httpx.post(server.base_url + "/completions", json={**body, "echo": True}, timeout=30).json()
+    prompt = httpx.post(server.url + "/detokenize", json={"model": server.model, "tokens": body["prompt"]},
+                        timeout=30).json()["prompt"]
+    assert [c["text"] for c in echoed["choices"]] == [prompt + c["text"] for c in choices]
+    scored = httpx.post(server.base_url + "/completions", json={**body, "logprobs": 1}, timeout=30)
+    assert scored.status_code == 400 and scored.json()["error"]["param"] == "logprobs"
     chat = httpx.post(server.base_url + "/chat/completions", timeout=30, json={
         "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "beam_width": 2,
         "n": 2}).json()
