@@ -177,3 +177,94 @@ def test_chat_option_combinations(client: openai.OpenAI, server: ServerProcess) 
 
     check()
     wait_idle(server)
+
+
+@st.composite
+def deterministic_options(draw: st.DrawFn) -> dict[str, Any]:
+    """Options whose answers are fixed (greedy, or seeded), with the processors and filters that shape a row."""
+    options: dict[str, Any] = {
+        "prompt": draw(st.sampled_from(PROMPTS)), "n": draw(st.integers(1, 3)), "echo": draw(st.booleans()),
+        "logprobs": draw(st.sampled_from([None, 0, 2])), "max_tokens": draw(st.sampled_from([1, 3, 8])),
+        "temperature": draw(st.sampled_from([0.0, 0.7, 1.0])), "seed": draw(st.sampled_from([3, 11])),
+        "stop": draw(st.sampled_from([None, ["e"], ["o", "th"]])),
+        "presence_penalty": draw(st.sampled_from([None, 0.5])), "frequency_penalty": draw(st.sampled_from([None, 1.0])),
+        "top_p": draw(st.sampled_from([None, 0.9]))}
+    extra: dict[str, Any] = {}
+    for name, values in (("top_k", [5]), ("min_p", [0.05]), ("repetition_penalty", [1.3]), ("ignore_eos", [True]),
+                         ("min_tokens", [2]), ("logit_bias", [{"7": 5.0}]), ("stop_token_ids", [[9]])):
+        if draw(st.booleans()):
+            extra[name] = draw(st.sampled_from(values))
+    if "min_tokens" in extra:  # at most max_tokens (a larger one is refused by name)
+        extra["min_tokens"] = min(extra["min_tokens"], options["max_tokens"])
+    if extra:
+        options["extra_body"] = extra
+    return options
+
+
+def test_streams_give_the_whole_answers(client: openai.OpenAI, server: ServerProcess) -> None:
+    """A deterministic request streamed: per choice, the same text, finish reason and log-probabilities as whole."""
+    @given(options=deterministic_options())
+    @settings(SETTINGS, max_examples=120)
+    def check(options: dict[str, Any]) -> None:
+        call = dict(options, model=server.model)
+        whole = client.completions.create(**call)
+        texts: dict[int, str] = {}
+        finish: dict[int, str | None] = {}
+        scores: dict[int, list[float | None]] = {}
+        for chunk in client.completions.create(**call, stream=True):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+                if c.logprobs is not None:
+                    scores.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+        assert [texts.get(c.index) for c in whole.choices] == [c.text for c in whole.choices]
+        assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
+        if options["logprobs"] is not None:
+            assert [scores.get(c.index) for c in whole.choices] == [c.logprobs.token_logprobs for c in whole.choices]
+        extra = options.get("extra_body", {})
+        for c in whole.choices:
+            if extra.get("ignore_eos") and options["stop"] is None and "stop_token_ids" not in extra:
+                assert c.finish_reason == "length"
+
+    check()
+    wait_idle(server)
+
+
+@st.composite
+def deterministic_chat_options(draw: st.DrawFn) -> dict[str, Any]:
+    logprobs = draw(st.booleans())
+    options: dict[str, Any] = {
+        "messages": [{"role": "user", "content": draw(st.sampled_from(["Hi!", "Name three colours."]))}],
+        "n": draw(st.integers(1, 3)), "logprobs": logprobs,
+        "max_completion_tokens": draw(st.sampled_from([1, 4, 8])),
+        "temperature": draw(st.sampled_from([0.0, 1.0])), "seed": draw(st.sampled_from([3, 11])),
+        "stop": draw(st.sampled_from([None, ["e"]])), "frequency_penalty": draw(st.sampled_from([None, 1.0]))}
+    if logprobs:
+        options["top_logprobs"] = draw(st.sampled_from([0, 2]))
+    return options
+
+
+def test_chat_streams_give_the_whole_answers(client: openai.OpenAI, server: ServerProcess) -> None:
+    @given(options=deterministic_chat_options())
+    @settings(SETTINGS, max_examples=80)
+    def check(options: dict[str, Any]) -> None:
+        call = dict(options, model=server.model)
+        whole = client.chat.completions.create(**call)
+        texts: dict[int, str] = {}
+        finish: dict[int, str | None] = {}
+        scores: dict[int, list[tuple[str, float, int]]] = {}
+        for chunk in client.chat.completions.create(**call, stream=True):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+                finish[c.index] = c.finish_reason or finish.get(c.index)
+                if c.logprobs is not None and c.logprobs.content:
+                    scores.setdefault(c.index, []).extend((t.token, t.logprob, len(t.top_logprobs))
+                                                          for t in c.logprobs.content)
+        assert [texts.get(c.index) for c in whole.choices] == [c.message.content for c in whole.choices]
+        assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
+        if options["logprobs"]:
+            assert [scores.get(c.index, []) for c in whole.choices] == [
+                [(t.token, t.logprob, len(t.top_logprobs)) for t in c.logprobs.content or []] for c in whole.choices]
+
+    check()
+    wait_idle(server)
