@@ -269,7 +269,7 @@ class LLM:
             if first.beams is not None:  # a beam search: its n best hypotheses
                 decode = self.tokenizer.decode
                 completions = [Completion(i, decode(h.token_ids, skip_special_tokens=params.skip_special_tokens),
-                                          list(h.token_ids), h.finish_reason,
+                                          list(h.token_ids), h.finish_reason, h.logprobs,
                                           cumulative_logprob=h.cumulative_logprob)
                                for i, h in enumerate(first.beams)]
             else:

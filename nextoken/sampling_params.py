@@ -225,11 +225,8 @@ class SamplingParams:
                 raise fail("n", self.n, f"at most beam_width={self.beam_width} (the best n beams are returned)")
             if self.stop:
                 raise fail("stop", self.stop, "empty with beam search (stop_token_ids end beams)")
-            # Beams report their cumulative_logprob; per-token scores are not kept for them.
-            for name in ("logprobs", "prompt_logprobs"):
-                if getattr(self, name) is not None:
-                    raise fail(name, getattr(self, name), "unset with beam search (each beam reports its "
-                                                          "cumulative_logprob)")
+            if self.prompt_logprobs is not None:  # the search scores its beams, not the prompt
+                raise fail("prompt_logprobs", self.prompt_logprobs, "unset with beam search")
         if not -10 <= number("length_penalty") <= 10:
             raise fail("length_penalty", self.length_penalty, "in [-10, 10]")
         if not isinstance(self.early_stopping, bool):

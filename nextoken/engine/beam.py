@@ -26,11 +26,16 @@ from nextoken.engine.scheduler import Scheduler
 from nextoken.sampling_params import SamplingParams
 
 
+# A token's log-probability and the top ones at its position (SamplingParams.logprobs of them).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
 @dataclass
 class Hypothesis:
     token_ids: list[int]  # the output tokens, the end token included where one ended it
     cumulative_logprob: float
     finish_reason: str  # "stop" | "length"
+    logprobs: list[TokenLogprob] | None = None  # per token, where the search's params ask for logprobs
 
     def score(self, length_penalty: float) -> float:
         return self.cumulative_logprob / max(len(self.token_ids), 1) ** length_penalty
@@ -40,7 +45,8 @@ class Hypothesis:
 class Beam:
     request: Request
     cumulative_logprob: float = 0.0
-    candidates: list[tuple[int, float]] | None = None  # this step's top 2W (token, log p), once computed
+    candidates: list[tuple[int, float]] | None = None  # this step's top (token, log p), once computed
+    logprobs: list[TokenLogprob] | None = None  # its tokens' so far, where the search asks for logprobs
 
 
 @dataclass
@@ -58,11 +64,11 @@ class BeamGroup:
 
     @staticmethod
     def beam_params(params: SamplingParams) -> SamplingParams:
-        """What each beam's request runs with: no draw of its own, the top 2W log-probabilities of its row (a plain
-        request to the engine: the search is its group's)."""
+        """What each beam's request runs with: no draw of its own, the top 2W log-probabilities of its row, or the
+        top `logprobs` where the caller asks for more (a plain request to the engine: the search is its group's)."""
         return replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
                        presence_penalty=0.0, frequency_penalty=0.0, n=1, seed=None,
-                       logprobs=2 * (params.beam_width or 1), stop=(), beam_width=None)
+                       logprobs=max(2 * (params.beam_width or 1), params.logprobs or 0), stop=(), beam_width=None)
 
     def ready(self) -> bool:
         return all(b.candidates is not None for b in self.beams)
@@ -77,14 +83,20 @@ class BeamGroup:
                 eog_ids: frozenset[int]) -> bool:
         """One step of the search over the beams' candidates; returns whether the group is done (its beams freed)."""
         width, params = self.width, self.params
-        ranked = sorted(((b.cumulative_logprob + lp, -i, token, b) for i, b in enumerate(self.beams)
-                         for token, lp in (b.candidates or [])), key=lambda c: (c[0], c[1]), reverse=True)
+        # Each beam's top 2W alone: a longer list (asked for logprobs) must not change the search.
+        ranked = sorted(((b.cumulative_logprob + lp, -i, token, b, lp) for i, b in enumerate(self.beams)
+                         for token, lp in (b.candidates or [])[:2 * width]), key=lambda c: (c[0], c[1]), reverse=True)
         chosen: list[tuple[Beam, int, float]] = []
+        scored: dict[tuple[int, int], list[TokenLogprob] | None] = {}  # (beam, token) -> its tokens' logprobs
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eog_ids)
-        for rank, (score, _, token, beam) in enumerate(ranked):
-            if token in stops:
-                if rank < width:  # an end among the best W: a finished hypothesis
-                    self.finished.append(Hypothesis(beam.request.output_ids + [token], score, "stop"))
+        for rank, (score, _, token, beam, lp) in enumerate(ranked):
+            if token in stops and rank >= width:
+                continue
+            if beam.logprobs is not None:
+                scored[id(beam), token] = beam.logprobs + [(lp, (beam.candidates or [])[:params.logprobs or 0])]
+            if token in stops:  # an end among the best W: a finished hypothesis
+                self.finished.append(Hypothesis(beam.request.output_ids + [token], score, "stop",
+                                                scored.get((id(beam), token))))
                 continue
             chosen.append((beam, token, score))
             if len(chosen) == width:
@@ -93,7 +105,8 @@ class BeamGroup:
         done = not chosen or at_length or self._converged(chosen)
         if done:
             if at_length:
-                self.finished += [Hypothesis(b.request.output_ids + [t], s, "length") for b, t, s in chosen]
+                self.finished += [Hypothesis(b.request.output_ids + [t], s, "length", scored.get((id(b), t)))
+                                  for b, t, s in chosen]
             for beam in self.beams:
                 scheduler.finish(beam.request, "abort")
             self.beams = []
@@ -105,19 +118,19 @@ class BeamGroup:
                 forks.append((beam, token, score))
             else:
                 kept[id(beam)] = (beam, token, score)
-        placed: list[tuple[Request, int, float]] = []
+        placed: list[tuple[Request, int, float, list[TokenLogprob] | None]] = []
         for beam, token, score in forks:  # before any parent takes this step's token
             child = self._fork(beam.request, scheduler, bm, copy_block)
             if child is not None:  # else no block for the copy: the search goes on narrower this step
-                placed.append((child, token, score))
-        placed += [(beam.request, token, score) for beam, token, score in kept.values()]
+                placed.append((child, token, score, scored.get((id(beam), token))))
+        placed += [(beam.request, token, score, scored.get((id(beam), token))) for beam, token, score in kept.values()]
         for beam in self.beams:
             if id(beam) not in kept:
                 scheduler.finish(beam.request, "abort")
         next_beams = []
-        for request, token, score in sorted(placed, key=lambda p: p[2], reverse=True):
+        for request, token, score, logprobs in sorted(placed, key=lambda p: p[2], reverse=True):
             request.append_token(token)
-            next_beams.append(Beam(request, score))
+            next_beams.append(Beam(request, score, logprobs=logprobs))
         self.beams = next_beams
         return False
 

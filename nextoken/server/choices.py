@@ -151,7 +151,8 @@ class Choices:
                 prompt = decode(job.prompts[index // job.per_prompt]) if job.echo else ""
                 for h in c.beams or []:
                     beam = _Choice(text=[prompt + decode(h.token_ids, skip_special_tokens=True)],
-                                   num_tokens=len(h.token_ids), finish_reason=h.finish_reason)
+                                   num_tokens=len(h.token_ids), finish_reason=h.finish_reason,
+                                   token_logprobs=[(t, lp, top) for t, (lp, top) in zip(h.token_ids, h.logprobs or [])])
                     if job.thinking is not None:
                         beam.splitter = ReasoningSplitter(job.thinking[index // job.per_prompt])
                         reasoning, content = beam.splitter.feed(beam.text[0])

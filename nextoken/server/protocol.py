@@ -237,6 +237,9 @@ class CompletionRequest(_GenerationRequest):
                 raise ApiError(400, "best_of > n cannot stream: the best are known only at the end", param="best_of")
             if self.beam_width is not None:
                 raise ApiError(400, "best_of samples; beam_width searches: give one of them", param="best_of")
+        if self.beam_width is not None and self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs scores the prompt, which a beam search does not: give one of them",
+                           param="echo")
     # Extension: whether special-token text in a text prompt ("<|im_end|>") becomes control tokens. Default false:
     # a raw prompt is text, as chat contents are; token-id prompts are taken as they are either way.
     special_tokens: bool | None = None

@@ -203,17 +203,28 @@ def test_beam_search_returns_the_n_best_beams(server: ServerProcess) -> None:
     assert greedy["choices"][0]["text"] == plain["choices"][0]["text"]
     streamed = httpx.post(server.base_url + "/completions", json={**body, "stream": True}, timeout=30)
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
-    # echo puts the prompt before each beam; per-token scores are not kept for beams: logprobs is refused, not dropped.
+    # echo puts the prompt before each beam; logprobs gives each beam's tokens theirs; a beam search does not score
+    # the prompt, so echo with logprobs is refused, not answered without the prompt's scores.
     echoed = httpx.post(server.base_url + "/completions", json={**body, "echo": True}, timeout=30).json()
     prompt = httpx.post(server.url + "/detokenize", json={"model": server.model, "tokens": body["prompt"]},
                         timeout=30).json()["prompt"]
     assert [c["text"] for c in echoed["choices"]] == [prompt + c["text"] for c in choices]
-    scored = httpx.post(server.base_url + "/completions", json={**body, "logprobs": 1}, timeout=30)
-    assert scored.status_code == 400 and scored.json()["error"]["param"] == "logprobs"
+    scored = httpx.post(server.base_url + "/completions", json={**body, "logprobs": 2}, timeout=30).json()["choices"]
+    assert [c["text"] for c in scored] == [c["text"] for c in choices]
+    for c in scored:
+        lp = c["logprobs"]
+        assert "".join(lp["tokens"]) == c["text"] and len(lp["token_logprobs"]) == 6
+        assert all(len(top) == 2 and actual <= max(top.values()) + 1e-6
+                   for actual, top in zip(lp["token_logprobs"], lp["top_logprobs"]))
+    both = httpx.post(server.base_url + "/completions", json={**body, "echo": True, "logprobs": 1}, timeout=30)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "echo"
     chat = httpx.post(server.base_url + "/chat/completions", timeout=30, json={
         "model": server.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "beam_width": 2,
-        "n": 2}).json()
+        "n": 2, "logprobs": True, "top_logprobs": 2}).json()
     assert len(chat["choices"]) == 2 and chat["usage"]["completion_tokens"] > 0
+    for c in chat["choices"]:
+        content = c["logprobs"]["content"]
+        assert 1 <= len(content) <= 4 and all(len(t["top_logprobs"]) == 2 for t in content)
 
 
 def test_logits_processors(client: openai.OpenAI, server: ServerProcess) -> None:

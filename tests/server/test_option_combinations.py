@@ -1,6 +1,6 @@
 """Combinations of the generation options, drawn by hypothesis, through the official client: every one is answered
 200, or 400 naming the parameter where the API documents it refused (best_of > n with stream; beam search with
-stream, best_of, stop strings, logprobs or n above beam_width; top_logprobs without logprobs), and the
+stream, best_of, stop strings, echo with logprobs or n above beam_width; top_logprobs without logprobs), and the
 answer is whole: one choice per prompt and n (indices in order), each with a finish reason and no more tokens than
 max_tokens, log-probabilities exactly where asked (an echoed prompt's first token without one), usage that adds up,
 and a stream that ends every choice, then its usage chunk when asked. Options that each work alone can fail
@@ -79,9 +79,9 @@ def test_completion_option_combinations(client: openai.OpenAI, server: ServerPro
                       else "best_of" if options["stream"] and options["best_of"] is not None
                       and options["best_of"] > options["n"]
                       else "best_of" if beam is not None and options["best_of"] is not None
+                      else "echo" if beam is not None and options["echo"] and options["logprobs"] is not None
                       else "n" if beam is not None and options["n"] > beam
-                      else "stop" if beam is not None and options["stop"] is not None
-                      else "logprobs" if beam is not None and options["logprobs"] is not None else None)
+                      else "stop" if beam is not None and options["stop"] is not None else None)
         if refused_by is not None:
             with pytest.raises(openai.BadRequestError) as refused:
                 list(client.completions.create(**call)) if options["stream"] else client.completions.create(**call)

@@ -1,7 +1,8 @@
 """Beam search on the paged cache: width 1 is greedy; every hypothesis's cumulative log-probability is what the model
 gives its tokens when re-scored from scratch (so a forked beam's shared blocks and its copy of the partly filled one
-hold the right K/V); the best beam scores at least greedy's path; beams really share blocks while they run; every
-block comes back, also when a search is aborted; other requests in the same steps are untouched."""
+hold the right K/V), and so is each token's where logprobs are asked; the best beam scores at least greedy's path;
+beams really share blocks while they run; every block comes back, also when a search is aborted; other requests in
+the same steps are untouched."""
 
 from __future__ import annotations
 
@@ -57,6 +58,26 @@ def test_every_beam_scores_what_the_model_gives_it(llm: LLM, width: int) -> None
         assert scores[0] >= greedy(llm, prompt, 10)[1] - 1e-5
 
 
+@pytest.mark.parametrize("k", [0, 3, 9])
+def test_every_beam_reports_its_tokens_log_probabilities(llm: LLM, k: int) -> None:
+    """logprobs=k: each beam's tokens with the model's log-probability of each (re-scored from scratch) and the top k
+    there, best first, the token's own among them where it ranks; the same beams as without (9 > 2W: a longer list
+    of candidates does not change the search)."""
+    for prompt in PROMPTS:
+        plain = beams(llm, prompt, 3, 3)
+        out = beams(llm, prompt, 3, 3, logprobs=k)
+        assert [(c.token_ids, c.cumulative_logprob) for c in out] == [(c.token_ids, c.cumulative_logprob)
+                                                                      for c in plain]
+        assert all(c.logprobs is None for c in plain)
+        for c in out:
+            assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
+            assert abs(sum(lp for lp, _ in c.logprobs) - c.cumulative_logprob) < 1e-4
+            for i, (token, (lp, top)) in enumerate(zip(c.token_ids, c.logprobs)):
+                assert abs(lp - rescored(llm, prompt + c.token_ids[:i], [token])) < 1e-4
+                assert len(top) == k and [x for _, x in top] == sorted((x for _, x in top), reverse=True)
+                assert all(abs(x - lp) < 1e-6 for t, x in top if t == token)
+
+
 def test_beams_share_blocks_and_give_them_all_back(llm: LLM) -> None:
     engine = llm.engine
     bm = engine.block_manager
@@ -93,6 +114,7 @@ def test_other_requests_in_the_same_steps_are_untouched(llm: LLM) -> None:
 def test_bad_beam_settings_name_the_parameter() -> None:
     for kw, name in (({"beam_width": 0}, "beam_width"), ({"beam_width": 11}, "beam_width"),
                      ({"beam_width": 2, "n": 3}, "n"), ({"beam_width": 2, "stop": ("x",)}, "stop"),
+                     ({"beam_width": 2, "prompt_logprobs": 1}, "prompt_logprobs"),
                      ({"length_penalty": float("nan")}, "length_penalty")):
         with pytest.raises(InvalidSamplingParams, match=name):
             SamplingParams(**kw)
