@@ -35,14 +35,13 @@ from nextoken.server.generation import Job, Kind, encode_prompt, prepare, render
 from nextoken.server.metrics import ServerMetrics
 from nextoken.server.middleware import REQUEST_TIMEOUT_S, GuardMiddleware
 from nextoken.server.openapi import build_openapi
+from nextoken.server.parsing import RequestT, parse_request
 from nextoken.server.protocol import (
     MAX_BODY_BYTES,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    RequestT,
     TokenizeRequest,
-    parse_request,
 )
 from nextoken.server.streaming import SEND_TIMEOUT_S, EventStream, json_response, sse, unless_disconnected
 

@@ -1,8 +1,8 @@
 """The server's OpenAPI document (/openapi.json), built from the protocol's pydantic models.
 
-Routes read their own bodies (`parse_request` turns every malformed one into a 400 or 415 in OpenAI's error shape),
-so FastAPI cannot infer them: `OPERATIONS` states each route's request body, its success response and every error
-status it can answer. Invariant: the document is true. Its paths are the app's routes (a test holds them equal) and
+Routes read their own bodies (`parsing.parse_request` turns every malformed one into a 400 or 415 in OpenAI's error
+shape), so FastAPI cannot infer them: `OPERATIONS` states each route's request body, its success response and every
+error status it can answer. Invariant: the document is true. Its paths are the app's routes (a test holds them equal) and
 schemathesis holds every response the server sends to it. Links chain /v1/models' id and /tokenize's ids into the
 routes that take them, for stateful fuzzing.
 """

@@ -26,6 +26,7 @@ from nextoken.errors import InvalidSamplingParams, NextokenError
 from nextoken.loader.gguf import read_gguf
 from nextoken.models.config import ModelConfig
 from nextoken.server.errors import ApiError, error_body
+from nextoken.server.parsing import parse_request
 from nextoken.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -34,7 +35,6 @@ from nextoken.server.protocol import (
     StreamOptions,
     TextPart,
     TokenizeRequest,
-    parse_request,
 )
 from nextoken.tokenizer.chat import _CHATML_TEMPLATE, _GEMMA_TEMPLATE, ChatTemplate
 from nextoken.tokenizer.from_gguf import parse_metadata
