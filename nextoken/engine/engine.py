@@ -136,7 +136,8 @@ class LLMEngine:
             if request_id in self._beam_groups:
                 raise NextokenError(f"request id {request_id!r} is already in use")
             root = Request(f"{request_id}#0", prompt_ids, BeamGroup.beam_params(params), self.eog_ids)
-            group = BeamGroup(request_id, params, list(prompt_ids), [Beam(root, logprobs=[] if params.logprobs is not None else None)])
+            root_beam = Beam(root, logprobs=[] if params.logprobs is not None else None)
+            group = BeamGroup(request_id, params, list(prompt_ids), [root_beam])
             self._beam_groups[request_id] = group
             self.scheduler.add(root)
             return request_id

@@ -2,10 +2,9 @@
 
 Routes read their own bodies (`parsing.parse_request` turns every malformed one into a 400 or 415 in OpenAI's error
 shape), so FastAPI cannot infer them: `OPERATIONS` states each route's request body, its success response and every
-error status it can answer. Invariant: the document is true. Its paths are the app's routes (a test holds them equal) and
-schemathesis holds every response the server sends to it. Links chain /v1/models' id and /tokenize's ids into the
-routes that take them, for stateful fuzzing.
-"""
+error status it can answer. Invariant: the document is true. Its paths are the app's routes (a test holds them equal)
+and schemathesis holds every response the server sends to it. Links chain /v1/models' id and /tokenize's ids into the
+routes that take them, for stateful fuzzing."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""Speculative decoding under combinations of the generation options, drawn by hypothesis: batches of greedy and
-seeded completions with n, echo, logprobs, stop strings and token ids, penalties, min_tokens, logit_bias and
-ignore_eos, streamed or whole, sent at once to a server that speculates (by n-gram, a draft model or its own cut head;
-every proposal verified) and to one without speculation. Each answers the same texts and finish reasons, log-probabilities within 1e-4 (a verifying
-pass's rows may round apart from single rows in their last bits), and both end with every KV block free."""
+"""Speculative decoding under combinations of the generation options, drawn by hypothesis: batches of greedy and seeded
+completions with n, echo, logprobs, stop strings and token ids, penalties, min_tokens, logit_bias and ignore_eos,
+streamed or whole, sent at once to a server that speculates (by n-gram, a draft model or its own cut head; every
+proposal verified) and to one without speculation. Each answers the same texts and finish reasons, log-probabilities
+within 1e-4 (a verifying pass's rows may round apart from single rows in their last bits), and both end with every KV
+block free."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Continuous batching's promise, drawn by hypothesis: batches of requests with shared prefixes (prefix-cache hits),
 prompts longer than a step's token budget (chunked prefill), a KV pool too small for all of them (preemption),
-choices sharing their prompt's blocks, aborts at random steps, n-gram speculation or none, and every mix of greedy and seeded sampling, stop
-strings and token ids, penalties, min_tokens, logit_bias and log-probabilities. Every request that is not aborted
-answers exactly what it answers alone on a roomy engine (tokens, finish reason; log-probabilities within 1e-5), and
-once the batch is done every block is free and the block manager's books balance."""
+choices sharing their prompt's blocks, aborts at random steps, n-gram speculation or none, and every mix of greedy
+and seeded sampling, stop strings and token ids, penalties, min_tokens, logit_bias and log-probabilities. Every
+request that is not aborted answers exactly what it answers alone on a roomy engine (tokens, finish reason;
+log-probabilities within 1e-5), and once the batch is done every block is free and the block manager's books balance."""
 
 from __future__ import annotations
 
