@@ -395,6 +395,19 @@ def _os_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+def _steady_thread_count() -> int:
+    """The process's thread count once it has stayed the same for 50 ms: threads of earlier tests in this process
+    (a model's huge-page copy, a worker leaving) may still be ending."""
+    count, since = _os_threads(), time.monotonic()
+    deadline = since + 5.0
+    while time.monotonic() - since < 0.05 and time.monotonic() < deadline:
+        time.sleep(0.005)
+        now = _os_threads()
+        if now != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def _settled_thread_count(want: int) -> int:
     for _ in range(100):  # a released worker may take a moment to exit
         if _os_threads() == want:
@@ -410,7 +423,7 @@ def test_generate_lets_its_openmp_workers_go(tiny_llama: Path) -> None:
     another thread can step next without parked workers of this one sharing the CPUs (nt_release_threads)."""
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=4 << 20, threads=2)
     llm.engine.runner.settle()  # the huge-page copy's thread has ended
-    idle = _os_threads()
+    idle = _steady_thread_count()
     native.rms_norm(native.library(), torch.ones(64, 32), torch.ones(32), 1e-6)  # a parallel region: a worker
     assert _os_threads() > idle
     llm.engine.release_threads()

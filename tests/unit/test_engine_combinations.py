@@ -25,7 +25,9 @@ seen: Counter[str] = Counter()
 
 
 def engine(path: Path, **options: Any) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1, **options))
+    eng = LLMEngine(EngineConfig(model=str(path), dtype="float32", device="cpu", threads=1, **options))
+    eng.runner.settle()  # no copy onto huge pages left running behind the test
+    return eng
 
 
 @pytest.fixture(scope="module")
