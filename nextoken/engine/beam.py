@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from nextoken.cache.block_manager import BlockManager
-from nextoken.engine.request import Request, RequestStatus
+from nextoken.engine.request import Request, RequestOutput, RequestStatus
 from nextoken.engine.scheduler import Scheduler
 from nextoken.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ class Beam:
     request: Request
     cumulative_logprob: float = 0.0
     candidates: list[tuple[int, float]] | None = None  # this step's top (token, log p), once computed
-    logprobs: list[TokenLogprob] | None = None  # its tokens' so far, where the search asks for logprobs
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # its tokens' so far, where the search asks for them
 
 
 @dataclass
@@ -87,13 +87,13 @@ class BeamGroup:
         ranked = sorted(((b.cumulative_logprob + lp, -i, token, b, lp) for i, b in enumerate(self.beams)
                          for token, lp in (b.candidates or [])[:2 * width]), key=lambda c: (c[0], c[1]), reverse=True)
         chosen: list[tuple[Beam, int, float]] = []
-        scored: dict[tuple[int, int], list[TokenLogprob] | None] = {}  # (beam, token) -> its tokens' logprobs
+        scored: dict[tuple[int, int], list[TokenLogprob]] = {}  # (beam, token) -> its tokens' logprobs, where asked
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eog_ids)
         for rank, (score, _, token, beam, lp) in enumerate(ranked):
             if token in stops and rank >= width:
                 continue
-            if beam.logprobs is not None:
-                scored[id(beam), token] = beam.logprobs + [(lp, (beam.candidates or [])[:params.logprobs or 0])]
+            if params.logprobs is not None:
+                scored[id(beam), token] = beam.logprobs + [(lp, (beam.candidates or [])[:params.logprobs])]
             if token in stops:  # an end among the best W: a finished hypothesis
                 self.finished.append(Hypothesis(beam.request.output_ids + [token], score, "stop",
                                                 scored.get((id(beam), token))))
@@ -118,12 +118,13 @@ class BeamGroup:
                 forks.append((beam, token, score))
             else:
                 kept[id(beam)] = (beam, token, score)
-        placed: list[tuple[Request, int, float, list[TokenLogprob] | None]] = []
+        placed: list[tuple[Request, int, float, list[TokenLogprob]]] = []
         for beam, token, score in forks:  # before any parent takes this step's token
             child = self._fork(beam.request, scheduler, bm, copy_block)
             if child is not None:  # else no block for the copy: the search goes on narrower this step
-                placed.append((child, token, score, scored.get((id(beam), token))))
-        placed += [(beam.request, token, score, scored.get((id(beam), token))) for beam, token, score in kept.values()]
+                placed.append((child, token, score, scored.get((id(beam), token), [])))
+        placed += [(beam.request, token, score, scored.get((id(beam), token), []))
+                   for beam, token, score in kept.values()]
         for beam in self.beams:
             if id(beam) not in kept:
                 scheduler.finish(beam.request, "abort")
@@ -174,6 +175,20 @@ class BeamGroup:
         child.status = RequestStatus.RUNNING
         scheduler.running.append(child)
         return child
+
+    def result(self, eog_ids: frozenset[int], decode: Callable[..., str]) -> RequestOutput:
+        """The ended search as its request's one output: the n best hypotheses in `beams`, the best one's tokens and
+        text (`decode`: the tokenizer's) as the output's."""
+        best = self.best()
+        root = Request(self.request_id, self.prompt_ids, self.params, eog_ids)
+        root.beams = best
+        if best:
+            root.output_ids = list(best[0].token_ids)
+        root.finish(best[0].finish_reason if best else "stop")
+        return RequestOutput(request_id=self.request_id, new_token_ids=root.output_ids,
+                             new_text=decode(root.output_ids, skip_special_tokens=self.params.skip_special_tokens),
+                             finished=True, finish_reason=root.finish_reason, num_prompt_tokens=len(root.prompt_ids),
+                             num_output_tokens=len(root.output_ids), request=root)
 
     def best(self) -> list[Hypothesis]:
         """The n best hypotheses, best first."""

@@ -136,8 +136,7 @@ class LLMEngine:
             if request_id in self._beam_groups:
                 raise NextokenError(f"request id {request_id!r} is already in use")
             root = Request(f"{request_id}#0", prompt_ids, BeamGroup.beam_params(params), self.eog_ids)
-            root_beam = Beam(root, logprobs=[] if params.logprobs is not None else None)
-            group = BeamGroup(request_id, params, list(prompt_ids), [root_beam])
+            group = BeamGroup(request_id, params, list(prompt_ids), [Beam(root)])
             self._beam_groups[request_id] = group
             self.scheduler.add(root)
             return request_id
@@ -340,18 +339,7 @@ class LLMEngine:
         if not group.advance(self.scheduler, self.block_manager, self.runner.copy_block, self.eog_ids):
             return []
         del self._beam_groups[group.request_id]
-        best = group.best()
-        first = best[0] if best else None
-        root = Request(group.request_id, group.prompt_ids, group.params, self.eog_ids)
-        root.beams = best
-        if first is not None:
-            root.output_ids = list(first.token_ids)
-        root.finish(first.finish_reason if first is not None else "stop")
-        return [RequestOutput(request_id=group.request_id, new_token_ids=root.output_ids,
-                              new_text=self.tokenizer.decode(root.output_ids,
-                                                             skip_special_tokens=group.params.skip_special_tokens),
-                              finished=True, finish_reason=root.finish_reason, num_prompt_tokens=len(root.prompt_ids),
-                              num_output_tokens=len(root.output_ids), request=root)]
+        return [group.result(self.eog_ids, self.tokenizer.decode)]
 
     def _fail(self, live: _Live, error: NextokenError | None = None) -> RequestOutput:
         """End a request whose processing raised: finish_reason "error", blocks freed, the others go on. `error`:

@@ -214,10 +214,9 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch | DecodeBatch, torch.Tensor]:
         """Run one forward pass over the scheduled chunks -> (the batch, fp32 logits [num_logits, vocab])."""
         self.settle(wait=False)
-        batch = self._native_step(scheduled)
-        if batch is not None:
-            assert batch.logits is not None  # set by _native_step
-            return batch, batch.logits
+        native = self._native_step(scheduled)
+        if native is not None:
+            return native
         drafted = self._verify_drafted(scheduled)
         if drafted is not None:
             return drafted
@@ -258,7 +257,7 @@ class ModelRunner:
         hidden = torch.cat(parts)
         return batch, self.model.compute_logits(hidden, self._logits_buffer(hidden.shape[0]))
 
-    def _native_step(self, scheduled: list[ScheduledRequest]) -> DecodeBatch | None:
+    def _native_step(self, scheduled: list[ScheduledRequest]) -> tuple[DecodeBatch, torch.Tensor] | None:
         """A pure decode step in one native call (NativeStep), where it applies; None otherwise. Where the sampler
         says each row's argmax is all the step needs (`Sampler.argmax_only`), the call takes it too and the batch
         carries it (`argmax_ids`); the logits are written either way."""
@@ -277,7 +276,7 @@ class ModelRunner:
         argmax = Sampler.argmax_only(item.request.params for item in scheduled)
         batch.argmax_ids = step.run(batch.ints, batch.rows, batch.table_stride, self.kv_pool.layers, logits, argmax)
         batch.logits = self._logits_rows(batch.rows)
-        return batch
+        return batch, batch.logits
 
     @torch.inference_mode()
     def _forward(self, scheduled: list[ScheduledRequest]) -> tuple[ForwardBatch, torch.Tensor]:
@@ -334,8 +333,7 @@ class ModelRunner:
         """The buffer's first `rows` rows, the same view from step to step (slicing is a torch op)."""
         view = self._logits_views.get(rows)
         if view is None:
-            assert self._logits is not None  # _logits_buffer ran first
-            view = self._logits_views[rows] = self._logits[:rows]
+            view = self._logits_views[rows] = self._logits_buffer(rows)[:rows]
         return view
 
     @torch.inference_mode()

@@ -9,6 +9,7 @@ together (best_of over an echoed prompt with logprobs once summed the prompt's m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -62,6 +63,21 @@ def chat_options(draw: st.DrawFn) -> dict[str, Any]:
     if stream and draw(st.booleans()):
         options["stream_options"] = {"include_usage": True}
     return options
+
+
+def gather(chunks: Any, text_of: Callable[[Any], str], scores_of: Callable[[Any], list[Any]]
+           ) -> tuple[dict[int, str], dict[int, str | None], dict[int, list[Any]]]:
+    """A stream's choices gathered by index: (texts, finish reasons, log-probability entries)."""
+    texts: dict[int, str] = {}
+    finish: dict[int, str | None] = {}
+    scores: dict[int, list[Any]] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + text_of(c)
+            finish[c.index] = c.finish_reason or finish.get(c.index)
+            if c.logprobs is not None:
+                scores.setdefault(c.index, []).extend(scores_of(c.logprobs))
+    return texts, finish, scores
 
 
 def check_usage(usage: Any) -> None:
@@ -208,15 +224,8 @@ def test_streams_give_the_whole_answers(client: openai.OpenAI, server: ServerPro
     def check(options: dict[str, Any]) -> None:
         call = dict(options, model=server.model)
         whole = client.completions.create(**call)
-        texts: dict[int, str] = {}
-        finish: dict[int, str | None] = {}
-        scores: dict[int, list[float | None]] = {}
-        for chunk in client.completions.create(**call, stream=True):
-            for c in chunk.choices:
-                texts[c.index] = texts.get(c.index, "") + c.text
-                finish[c.index] = c.finish_reason or finish.get(c.index)
-                if c.logprobs is not None:
-                    scores.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
+        texts, finish, scores = gather(client.completions.create(**call, stream=True), lambda c: c.text,
+                                       lambda lp: lp.token_logprobs)
         assert [texts.get(c.index) for c in whole.choices] == [c.text for c in whole.choices]
         assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
         if options["logprobs"] is not None:
@@ -250,16 +259,9 @@ def test_chat_streams_give_the_whole_answers(client: openai.OpenAI, server: Serv
     def check(options: dict[str, Any]) -> None:
         call = dict(options, model=server.model)
         whole = client.chat.completions.create(**call)
-        texts: dict[int, str] = {}
-        finish: dict[int, str | None] = {}
-        scores: dict[int, list[tuple[str, float, int]]] = {}
-        for chunk in client.chat.completions.create(**call, stream=True):
-            for c in chunk.choices:
-                texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
-                finish[c.index] = c.finish_reason or finish.get(c.index)
-                if c.logprobs is not None and c.logprobs.content:
-                    scores.setdefault(c.index, []).extend((t.token, t.logprob, len(t.top_logprobs))
-                                                          for t in c.logprobs.content)
+        texts, finish, scores = gather(client.chat.completions.create(**call, stream=True),
+                                       lambda c: c.delta.content or "",
+                                       lambda lp: [(t.token, t.logprob, len(t.top_logprobs)) for t in lp.content or []])
         assert [texts.get(c.index) for c in whole.choices] == [c.message.content for c in whole.choices]
         assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
         if options["logprobs"]:

@@ -24,13 +24,21 @@ BODIES = [
 ]
 
 
-def _serve(tiny_llama: Path, **options: Any) -> list[tuple[int, Any]] | tuple[list[tuple[int, Any]], str]:
+def start(tiny_llama: Path, **options: Any) -> App:
+    """The tiny model served in-process, its engine thread started; a speculator verifies every proposal (the tiny
+    model's steps cost next to nothing)."""
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=4 << 20,
                                     threads=1, **options))
     if engine.speculator is not None:
-        engine.speculator.adaptive = False  # every proposal verified: the tiny model's steps cost next to nothing
+        engine.speculator.adaptive = False
     served = App(engine)
     served.state.async_engine.start()
+    return served
+
+
+def _serve(tiny_llama: Path, **options: Any) -> list[tuple[int, Any]] | tuple[list[tuple[int, Any]], str]:
+    served = start(tiny_llama, **options)
+    engine = served.engine
     try:
         results = served.run(*BODIES)
 

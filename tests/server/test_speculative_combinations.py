@@ -16,22 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nextoken.config import EngineConfig
-from nextoken.engine.engine import LLMEngine
 from tests.server.test_faults import App
+from tests.server.test_speculative_api import start
 
 # Repetitive prompts: n-gram lookup finds something to propose.
 PROMPTS = ["the the the the the the", "on at en on at en on at en", "a b c a b c a b", [5, 9, 5, 9, 5, 9, 5], "seven"]
-
-
-def start(tiny_llama: Path, **options: Any) -> App:
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", kv_cache_bytes=4 << 20,
-                                    threads=1, **options))
-    if engine.speculator is not None:
-        engine.speculator.adaptive = False  # every proposal verified: the tiny model's steps cost next to nothing
-    served = App(engine)
-    served.state.async_engine.start()
-    return served
 
 
 @pytest.fixture(scope="module")
