@@ -4,8 +4,9 @@ int8`).
 
 Run: .venv/bin/python -m benchmarks.gemm_routes [--rows 4 8 16 64 512] [--rounds 5]
 
-Called as the engine calls them: up to 16 rows the few-row entry (the VNNI route's block_few, which AMX replaces from
-8 rows), past that the GEMM; int8 codes with fixed outlier columns, as calibration fixes them.
+Called as the engine calls them: up to 16 rows the few-row entry (block_few; on a CPU with AMX the GEMM from 8 rows),
+past that the GEMM; int8 codes with fixed outlier columns, as calibration fixes them. The AMX route is off unless
+asked for (NEXTOKEN_AMX=1); this switches it on and off itself.
 
 One decoder block's projections of SmolLM2-135M (Q4 with fp16 scales, as its Q4_1 file) and of Gemma 3 270M (Q4
 with fp32 scales and offsets, as Q4_K; its down projection Q8 in halves, as Q6_K), and Gemma 3's LM head (int8

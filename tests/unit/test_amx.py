@@ -19,9 +19,12 @@ from tests.unit.test_native import gemm_cases, gemm_out, level_error
 
 @pytest.fixture(scope="module")
 def amx(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """A build with the AMX route: the host's where the CPU and the kernel give it, else the emulated one (whose route
-    is off until asked for: the `vnni` fixture's tests share that library and run the VNNI route)."""
-    if lib.nt_amx(-1):
+    """A build with the AMX route: the host's where the CPU and the kernel give it, else the emulated one. Either way
+    the route is off until asked for (the `vnni` fixture's tests share the emulated library and run the VNNI
+    route)."""
+    before = lib.nt_amx(-1)
+    if lib.nt_amx(1):
+        lib.nt_amx(before)
         return lib
     emulated = native.load(native.build(flags=native.EMULATED_AVX512_FLAGS))
     assert emulated.nt_amx(-1) == 0  # emulated: off unless asked
@@ -119,16 +122,15 @@ def test_the_amx_route_builds_for_sapphire_rapids(tmp_path: Path) -> None:
         assert b"nt_amx" in (tmp_path / "unit.o").read_bytes() or unit != "amx.c"
 
 
-def test_nextoken_amx_0_keeps_the_vnni_route(amx: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
-    """native.library() decides the route once, as it loads the kernels: NEXTOKEN_AMX=0 takes the tiles off a build
-    whose route is on (the host's where it has AMX, else the emulated build switched on); without it the route stays
-    as the build has it."""
+def test_nextoken_amx_1_switches_the_tiles_on(amx: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
+    """native.library() decides the route once, as it loads the kernels: off (the VNNI route, which measured the
+    faster where the tiles exist), on with NEXTOKEN_AMX=1 where the build has the route and the kernel grants the
+    tiles."""
     before = amx.nt_amx(-1)
     monkeypatch.setattr(native, "build", lambda: Path("built.so"))
     monkeypatch.setattr(native, "load", lambda path: amx)
     try:
-        for setting, expected in (("0", 0), (None, 1)):
-            assert amx.nt_amx(1) == 1
+        for setting, expected in (("1", 1), (None, 0), ("0", 0), ("1", 1)):
             monkeypatch.setattr(native, "_lib", None)
             monkeypatch.setattr(native, "_tried", False)
             if setting is None:

@@ -74,9 +74,9 @@ def library() -> ctypes.CDLL | None:
         else:
             try:
                 _lib = load(build())
-                # AMX tiles decided once, here, before any thread runs a product (NEXTOKEN_AMX=0: the VNNI route,
-                # the same bits)
-                _lib.nt_amx(0 if os.environ.get("NEXTOKEN_AMX") == "0" else -1)
+                # AMX tiles decided once, here, before any thread runs a product: off unless NEXTOKEN_AMX=1 (the
+                # same bits as the VNNI route, which measured the faster on Sapphire Rapids: docs/design-cpu.md)
+                _lib.nt_amx(1 if os.environ.get("NEXTOKEN_AMX") == "1" else 0)
             except (RuntimeError, OSError) as exc:
                 logger.warning("native kernels unavailable, using torch's: %s", exc)
     return _lib

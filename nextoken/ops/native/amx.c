@@ -7,7 +7,9 @@
  * alike), so no bias is taken out. From each scale group's int32 sums on, the float work is gemm_tile's operation for
  * operation (a multiply-add by the product of the scales, Q4's offset one more, the outlier columns in order, then
  * the two levels added), so a row's numbers do not depend on the route (tests/unit/test_amx.py holds them to the
- * VNNI route bit for bit, on the tiles emulated by emulate_amx.h where the CPU has none).
+ * VNNI route bit for bit, on the tiles emulated by emulate_amx.h where the CPU has none). Off unless asked for
+ * (nt_amx; NEXTOKEN_AMX=1): on Sapphire Rapids it measured slower than the VNNI GEMM, since every group's sums leave
+ * the tiles to be scaled (docs/design-cpu.md).
  *
  * The weights come as gemm_widen's byte panels: [K / 4][16 rows][4 codes] is the layout of a tile's second operand
  * (K / 4 rows of 16 columns of 4 bytes), so a scale group of 32 codes (16 for Q8 in halves) is one tile of 8 (4) rows
@@ -27,7 +29,7 @@
 #define XFEATURE_XTILEDATA 18 /* the tiles' data */
 
 static int amx_granted = -1; /* the kernel's answer for this process; -1 until asked */
-static int amx_enabled = -1; /* the route is taken; -1: not yet decided (on where granted, emulated: off) */
+static int amx_enabled = 0;  /* the route is taken: off until asked for (nt_amx; NEXTOKEN_AMX=1) */
 
 /* Linux hands out the tiles' 8 KB of state only to a process that asks for it (the first tile instruction of one
  * that did not raises SIGILL). */
@@ -42,20 +44,19 @@ static int amx_request(void) {
     return amx_granted;
 }
 
-NT_INTERNAL int amx_on(void) {
-    if (amx_enabled < 0) {
+NT_INTERNAL int amx_on(void) { return amx_enabled; }
+
+NT_INTERNAL int amx_cpu(void) {
 #ifdef NT_EMULATE_AMX
-        amx_enabled = 0;
+    return 0;
 #else
-        amx_enabled = amx_request();
+    return 1;
 #endif
-    }
-    return amx_enabled;
 }
 
 int nt_amx(int want) {
     if (want >= 0) amx_enabled = want && amx_request();
-    return amx_on();
+    return amx_enabled;
 }
 
 /* The tile configuration (palette 1): tiles 0 and 1 the activations' planes (R rows of a group's gk bytes: lo; hi,

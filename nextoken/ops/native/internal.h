@@ -282,6 +282,8 @@ static inline __attribute__((always_inline)) void tile_out(int bytes, int T, __m
 #ifdef NT_AMX
 /* amx.c */
 NT_INTERNAL int amx_on(void);
+/* built for a CPU that has the tiles (the real instructions, not their emulation), whether or not they are used */
+NT_INTERNAL int amx_cpu(void);
 NT_INTERNAL void amx_rows(int kind, int bytes, const uint8_t *planes, const float *xd, const float *xs, int64_t M,
                           int64_t K, const gemm_panels *p, float *out, int64_t ldo, int64_t n0, int64_t cols,
                           const float *xo, int64_t nout);

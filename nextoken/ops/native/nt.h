@@ -144,8 +144,8 @@ NT_API int nt_isa(void); /* nt_isa_level */
 NT_API int nt_has_avx2(void);
 NT_API int nt_has_vnni512(void);
 /* The GEMM over block weights on AMX-INT8 tiles (amx.c): want 1 takes that route where the build has it and the
- * kernel grants the tiles, 0 leaves it (for the VNNI one, the same bits), -1 asks; returns whether it is taken. A
- * build for a CPU with AMX takes it from the start. */
+ * kernel grants the tiles, 0 leaves it (for the VNNI one, the same bits), -1 asks; returns whether it is taken. Off
+ * until asked: on Sapphire Rapids the VNNI route measured the faster (docs/design-cpu.md). */
 NT_API int nt_amx(int want);
 NT_API void nt_release_threads(void);
 /* Every struct's size and fields' offsets and every enum's value, ended by a null name. */
