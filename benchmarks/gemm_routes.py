@@ -8,6 +8,11 @@ Called as the engine calls them: up to 16 rows the few-row entry (block_few; on 
 past that the GEMM; int8 codes with fixed outlier columns, as calibration fixes them. The AMX route is off unless
 asked for (NEXTOKEN_AMX=1); this switches it on and off itself.
 
+Beside them, from 64 rows, torch's own products on the same shapes, in the same rounds: bf16 (oneDNN; on a CPU with
+AMX-BF16 on its tiles) and int8 by int8 summed in int32 (`torch._int_mm`; AMX-INT8 where there is one), with
+random operands. They hold no scale per 32 values, so they are not the block formats' products: they are what a
+format without one (bf16 weights, or int8 weights per row by int8 activations per token) could reach here.
+
 One decoder block's projections of SmolLM2-135M (Q4 with fp16 scales, as its Q4_1 file) and of Gemma 3 270M (Q4
 with fp32 scales and offsets, as Q4_K; its down projection Q8 in halves, as Q6_K), and Gemma 3's LM head (int8
 codes, 262,144 rows) at 8, 16 and 64 rows, random weights of the real shapes. Each round times every route once per shape,
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,6 +57,23 @@ def weight(kind: int, n: int, k: int, gen: torch.Generator):  # noqa: ANN201 - B
                      torch.rand(n, k // 16, generator=gen) / 10)
 
 
+TORCH_ROWS = 64  # rows from which torch's products are timed beside ours
+
+
+def torch_operands_for(rows: int, n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """Random operands of a rows x k by k x n product: bf16 activations and weight, int8 ones (the weight column-major,
+    as oneDNN takes it)."""
+    xb, wb = torch.randn(rows, k, generator=gen).bfloat16(), torch.randn(k, n, generator=gen).bfloat16()
+    xi = torch.randint(-127, 128, (rows, k), generator=gen, dtype=torch.int8)
+    wi = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).t()
+    return xb, wb, xi, wi
+
+
+def torch_products(xb: torch.Tensor, wb: torch.Tensor, xi: torch.Tensor,
+                   wi: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    return {"bf16": lambda: xb @ wb, "int8": lambda: torch._int_mm(xi, wi)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 64, 512])
@@ -73,6 +96,8 @@ def main() -> None:
             if "head" in name and rows not in (8, 16, 64):
                 continue
             cases.append((name, rows, weight(kind, n, k, gen), torch.randn(rows, k, generator=gen)))
+    torch_operands = {rows: {name: torch_operands_for(rows, n, k, gen) for name, _, n, k in SHAPES if "head" not in name}
+                      for rows in args.rows if rows >= TORCH_ROWS}
     times: dict[tuple[str, int, str, str], list[float]] = {}
     try:
         for _ in range(args.rounds):
@@ -88,6 +113,11 @@ def main() -> None:
                                             gemm=rows > FEW_ROWS or codes == "int8", int8_activations=codes == "int8",
                                             outliers=OUTLIERS if codes == "int8" else None)
                         times.setdefault((name, rows, codes, route), []).append(time.perf_counter() - start)
+                if name in torch_operands.get(rows, {}):
+                    for label_, run in torch_products(*torch_operands[rows][name]).items():
+                        start = time.perf_counter()
+                        run()
+                        times.setdefault((name, rows, "torch", label_), []).append(time.perf_counter() - start)
     finally:
         lib.nt_amx(had)
     results = []
@@ -104,6 +134,18 @@ def main() -> None:
                 line += f"  {med['vnni'] / med['amx']:.2f}x"
             print(line)
             results.append({"product": name, "rows": rows, "codes": codes, "ms": {r: med[r] * 1e3 for r in routes}})
+    if torch_operands:
+        print(f"\n{'torch, no block scales':24} {'rows':>5} {'bf16 ms':>9} {'G/s':>7} {'int8 ms':>9} {'G/s':>7}"
+              f"  {first} int16 / bf16  {first} int8 / int8")
+    for rows, by_name in torch_operands.items():
+        for name, (x, _, _, _) in by_name.items():
+            n = by_name[name][1].shape[1]
+            ops = rows * n * x.shape[1] / 1e9
+            med = {r: statistics.median(times[(name, rows, "torch", r)]) for r in ("bf16", "int8")}
+            ours = {c: statistics.median(times[(name, rows, c, "vnni")]) for c in ("int16", "int8")}
+            print(f"{name:24} {rows:5d} {med['bf16'] * 1e3:9.2f} {ops / med['bf16']:7.0f} {med['int8'] * 1e3:9.2f} "
+                  f"{ops / med['int8']:7.0f}  {ours['int16'] / med['bf16']:17.1f}x {ours['int8'] / med['int8']:15.1f}x")
+            results.append({"product": name, "rows": rows, "codes": "torch", "ms": {r: med[r] * 1e3 for r in med}})
     save("gemm_routes", {"rounds": args.rounds, "results": results})
 
 

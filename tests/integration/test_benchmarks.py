@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import nextoken
 from benchmarks import common, contention, latency, profile_decode, roofline, sampling, speculative, throughput
@@ -149,3 +150,17 @@ def test_transformers_worker_reports_a_failed_start(tmp_path: Path) -> None:
     with TransformersWorker(stub_python(tmp_path, FAKE_WORKER), REAL_MODELS[MODEL], 1) as worker:
         assert worker.load_s == {"bf16": 0.25}
         assert worker.tok_s("bf16", decode=8) == 10.0
+
+
+def test_gemm_routes_times_torch_products_of_the_same_shapes() -> None:
+    """The products gemm_routes times beside the block routes: shaped as the block product it stands beside (rows x
+    k by k x n), bf16 within its rounding of the fp32 product, int8 summed exactly in int32."""
+    from benchmarks import gemm_routes  # noqa: PLC0415 - the benchmark module, imported where it is tested
+
+    xb, wb, xi, wi = gemm_routes.torch_operands_for(64, 48, 96, torch.Generator().manual_seed(0))
+    products = gemm_routes.torch_products(xb, wb, xi, wi)
+    bf16, int8 = products["bf16"](), products["int8"]()
+    assert bf16.shape == int8.shape == (64, 48) and bf16.dtype == torch.bfloat16 and int8.dtype == torch.int32
+    exact = xb.float() @ wb.float()
+    assert ((bf16.float() - exact).abs() <= 1e-2 * (xb.float().abs() @ wb.float().abs()) + 1e-3).all()
+    assert torch.equal(int8.long(), xi.long() @ wi.long())
