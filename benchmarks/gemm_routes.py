@@ -138,9 +138,8 @@ def main() -> None:
         print(f"\n{'torch, no block scales':24} {'rows':>5} {'bf16 ms':>9} {'G/s':>7} {'int8 ms':>9} {'G/s':>7}"
               f"  {first} int16 / bf16  {first} int8 / int8")
     for rows, by_name in torch_operands.items():
-        for name, (x, _, _, _) in by_name.items():
-            n = by_name[name][1].shape[1]
-            ops = rows * n * x.shape[1] / 1e9
+        for name, (x, w, _, _) in by_name.items():
+            ops = rows * w.shape[1] * x.shape[1] / 1e9
             med = {r: statistics.median(times[(name, rows, "torch", r)]) for r in ("bf16", "int8")}
             ours = {c: statistics.median(times[(name, rows, c, "vnni")]) for c in ("int16", "int8")}
             print(f"{name:24} {rows:5d} {med['bf16'] * 1e3:9.2f} {ops / med['bf16']:7.0f} {med['int8'] * 1e3:9.2f} "
