@@ -80,6 +80,18 @@ def gather(chunks: Any, text_of: Callable[[Any], str], scores_of: Callable[[Any]
     return texts, finish, scores
 
 
+def assert_stream_is_whole(whole: Any, stream: Any, text_of: Callable[[Any], str],
+                           scores_of: Callable[[Any], list[Any]], scored: bool,
+                           whole_text: Callable[[Any], str] = lambda c: c.text) -> None:
+    """A stream gathered by choice against the whole answer to the same request: per choice the same text and finish
+    reason, and where log-probabilities were asked, the same entries (scores_of reads a whole choice's as a chunk's)."""
+    texts, finish, scores = gather(stream, text_of, scores_of)
+    assert [texts.get(c.index) for c in whole.choices] == [whole_text(c) for c in whole.choices]
+    assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
+    if scored:
+        assert [scores.get(c.index, []) for c in whole.choices] == [scores_of(c.logprobs) for c in whole.choices]
+
+
 def check_usage(usage: Any) -> None:
     assert usage.prompt_tokens > 0 and usage.completion_tokens >= 0
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
@@ -224,12 +236,8 @@ def test_streams_give_the_whole_answers(client: openai.OpenAI, server: ServerPro
     def check(options: dict[str, Any]) -> None:
         call = dict(options, model=server.model)
         whole = client.completions.create(**call)
-        texts, finish, scores = gather(client.completions.create(**call, stream=True), lambda c: c.text,
-                                       lambda lp: lp.token_logprobs)
-        assert [texts.get(c.index) for c in whole.choices] == [c.text for c in whole.choices]
-        assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
-        if options["logprobs"] is not None:
-            assert [scores.get(c.index) for c in whole.choices] == [c.logprobs.token_logprobs for c in whole.choices]
+        assert_stream_is_whole(whole, client.completions.create(**call, stream=True), lambda c: c.text,
+                               lambda lp: lp.token_logprobs, options["logprobs"] is not None)
         extra = options.get("extra_body", {})
         for c in whole.choices:
             if extra.get("ignore_eos") and options["stop"] is None and "stop_token_ids" not in extra:
@@ -259,14 +267,10 @@ def test_chat_streams_give_the_whole_answers(client: openai.OpenAI, server: Serv
     def check(options: dict[str, Any]) -> None:
         call = dict(options, model=server.model)
         whole = client.chat.completions.create(**call)
-        texts, finish, scores = gather(client.chat.completions.create(**call, stream=True),
-                                       lambda c: c.delta.content or "",
-                                       lambda lp: [(t.token, t.logprob, len(t.top_logprobs)) for t in lp.content or []])
-        assert [texts.get(c.index) for c in whole.choices] == [c.message.content for c in whole.choices]
-        assert [finish.get(c.index) for c in whole.choices] == [c.finish_reason for c in whole.choices]
-        if options["logprobs"]:
-            assert [scores.get(c.index, []) for c in whole.choices] == [
-                [(t.token, t.logprob, len(t.top_logprobs)) for t in c.logprobs.content or []] for c in whole.choices]
+        assert_stream_is_whole(whole, client.chat.completions.create(**call, stream=True),
+                               lambda c: c.delta.content or "",
+                               lambda lp: [(t.token, t.logprob, len(t.top_logprobs)) for t in lp.content or []],
+                               options["logprobs"], whole_text=lambda c: c.message.content)
 
     check()
     wait_idle(server)

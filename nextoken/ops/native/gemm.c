@@ -755,17 +755,20 @@ static int block_gemm_codes(int kind, int bytes, const float *x, int64_t M, int6
 
 /* Activation rows from which a product of a few rows (nt_block_matmul's, nt_block_gemm8's with fixed outlier
  * columns) takes the GEMM instead of block_few: the same bits either way. On a CPU with AMX (Sapphire Rapids: two
- * ports for 512-bit vpdpbusd) the VNNI GEMM is the faster from 8 rows: one decoder block's products of SmolLM2 and of
- * Gemma 3 on 2 cores, block_few's time over the GEMM's, 4 rows 0.75-0.98x, 8 rows 0.92-1.33x, 12 rows 1.00-1.26x,
- * 16 rows 1.08-1.35x. On Zen 4 and Zen 5 block_few stays the faster up to 16 rows (quant_linear.VNNI_MAX_ROWS). Where
- * the AMX route is switched on, also from 8 rows (a tile takes 16 rows of a plane). */
+ * ports for 512-bit vpdpbusd) the VNNI GEMM is the faster from 8 rows of exact codes and from 12 of int8 ones: one
+ * decoder block's products of SmolLM2 and of Gemma 3 on 2 cores, block_few's time over the GEMM's (medians of 7
+ * alternating rounds, two runs), exact codes 8 rows 1.04x and 1.13x, 12 rows 1.16-1.17x, 16 rows 1.25-1.37x; int8
+ * codes 8 rows 0.96-0.97x, 12 rows 1.22x, 16 rows 1.34-1.37x. On Zen 4 and Zen 5 block_few stays the faster up to
+ * 16 rows (quant_linear.VNNI_MAX_ROWS). Where the AMX route is switched on, from 8 rows (a tile takes 16 rows of a
+ * plane). */
 #define GEMM_FEW_ROWS 8
+#define GEMM_FEW_ROWS8 12
 
-static int few_on_gemm(int64_t M) {
+static int few_on_gemm(int bytes, int64_t M) {
 #ifdef NT_AMX
-    return M >= GEMM_FEW_ROWS && (amx_on() || amx_cpu());
+    return (amx_on() && M >= GEMM_FEW_ROWS) || (amx_cpu() && M >= (bytes ? GEMM_FEW_ROWS8 : GEMM_FEW_ROWS));
 #else
-    (void)M;
+    (void)bytes, (void)M;
     return 0;
 #endif
 }
@@ -774,7 +777,7 @@ static int few_on_gemm(int64_t M) {
  * GEMM (few_on_gemm). */
 NT_INTERNAL int block_rows16(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const void *qs,
                              const void *d, const void *m, float *out, int64_t ldo, int threads) {
-    if (few_on_gemm(M)) return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
+    if (few_on_gemm(0, M)) return block_gemm_codes(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
     return block_few(kind, 0, x, M, K, ldx, N, qs, d, m, out, ldo, threads, NULL, 0);
 }
 
@@ -846,7 +849,7 @@ int nt_block_gemm8(int kind, const float *x, int64_t M, int64_t K, int64_t ldx, 
 #ifdef NT_VNNI512
     if (!KNOWN_KIND(kind) || K % QK) return -1;
     if (M == 0) return 0;
-    if (num_outliers >= 0 && M <= ROWS8_MAX && !few_on_gemm(M))
+    if (num_outliers >= 0 && M <= ROWS8_MAX && !few_on_gemm(1, M))
         return block_few(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
     return block_gemm_codes(kind, 1, x, M, K, ldx, N, qs, d, m, out, ldo, threads, outliers, num_outliers);
 #else
